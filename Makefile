@@ -1,0 +1,46 @@
+# Set-up and entry points. `make demo` and `make test` do all installation
+# themselves on a machine that has only Python 3.11.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+MPIEXEC := $(VENV)/bin/mpiexec
+STAMP := $(VENV)/.installed
+# chainer 7.8.1 builds only with setuptools<70, and needs numpy<2.
+export PIP_CONSTRAINT := $(CURDIR)/constraints.txt
+export PIP_BUILD_CONSTRAINT := $(CURDIR)/constraints.txt
+export OMP_NUM_THREADS ?= 1
+export OPENBLAS_NUM_THREADS ?= 1
+export MKL_NUM_THREADS ?= 1
+NP_LIST ?= 1 2 4
+TEST_TIMEOUT ?= 1200
+
+.PHONY: venv demo test test-unit test-mpi bench clean
+
+venv: $(STAMP)
+
+$(STAMP): requirements.txt requirements-test.txt constraints.txt setup.py
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q -r requirements.txt -r requirements-test.txt
+	$(PY) -m pip install -q --no-deps --no-build-isolation -e .
+	touch $(STAMP)
+
+demo: venv
+	$(MPIEXEC) -n 2 $(PY) examples/imagenet/train_imagenet.py --arch resnet50 \
+	    --batchsize 2 --iterations 6 --insize 224
+
+test: venv test-unit test-mpi
+
+test-unit: venv
+	$(PY) -m pytest -q -p no:cacheprovider tests/unit
+
+test-mpi: venv
+	@set -e; for n in $(NP_LIST); do \
+	    echo "== MPI tests at $$n rank(s) =="; \
+	    $(PY) tests/mpi_run.py -n $$n --timeout $(TEST_TIMEOUT) -- tests/mpi; \
+	done
+
+bench: venv
+	$(PY) benchmarks/overlap_bench.py
+
+clean:
+	rm -rf $(VENV) .mpi-logs build *.egg-info

@@ -1,0 +1,1 @@
+"""Overlapped gradient reduction and spatial parallelism for Chainer/ChainerMN."""

@@ -1,0 +1,17 @@
+from setuptools import find_packages, setup
+
+setup(
+    name='chainermn_overlap',
+    version='0.1.0',
+    description='Overlapped (layer-wise non-blocking) gradient reduction and '
+                'spatially partitioned convolution for Chainer/ChainerMN.',
+    license='MIT',
+    packages=find_packages(include=['chainermn_overlap', 'chainermn_overlap.*']),
+    python_requires='>=3.8',
+    install_requires=['chainer==7.8.1', 'numpy<2', 'mpi4py>=4'],
+    extras_require={
+        'mpich': ['mpich'],
+        'cuda': ['cupy'],
+        'test': ['pytest', 'hypothesis'],
+    },
+)
