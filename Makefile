@@ -21,7 +21,7 @@ venv: $(STAMP)
 $(STAMP): requirements.txt requirements-test.txt constraints.txt setup.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q -r requirements.txt -r requirements-test.txt
-	$(PY) -m pip install -q --no-deps --no-build-isolation -e .
+	$(PY) -m pip install -q --no-deps -e .
 	touch $(STAMP)
 
 demo: venv
