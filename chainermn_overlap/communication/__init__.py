@@ -1,0 +1,4 @@
+"""Everything that decides when and how gradients are communicated."""
+from chainermn_overlap.communication.backends import get_backend  # NOQA
+from chainermn_overlap.communication.backends import register_backend  # NOQA
+from chainermn_overlap.communication.buckets import plan_buckets  # NOQA

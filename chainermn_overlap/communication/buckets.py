@@ -1,0 +1,117 @@
+"""Fusion buckets: which gradients travel together, and their flat buffers.
+
+The plan (:func:`plan_buckets`) is a pure function of an ordered list of
+parameter entries, so every rank that is given the same list computes the
+same buckets.  The optimizer builds the list on rank 0 and broadcasts it,
+which makes the bucket layout identical on all ranks by construction.
+"""
+import collections
+
+import numpy
+
+import chainer
+
+
+BucketPlan = collections.namedtuple(
+    'BucketPlan', ('dtype', 'entries', 'nelems'))
+BucketPlan.__doc__ = """One planned bucket.
+
+Attributes:
+    dtype (numpy.dtype): dtype of the flat buffer (the wire dtype).
+    entries (tuple): ``(name, offset, size)`` for each member, in order.
+    nelems (int): total number of elements.
+"""
+
+
+def wire_dtype(param_dtype, allreduce_grad_dtype=None):
+    """dtype in which a gradient of ``param_dtype`` is reduced.
+
+    float16 gradients are reduced in float32 unless asked otherwise, as
+    ChainerMN's MPI communicators do, so that summing many ranks does not
+    overflow or lose precision.
+    """
+    if allreduce_grad_dtype is not None:
+        return numpy.dtype(allreduce_grad_dtype)
+    param_dtype = numpy.dtype(param_dtype)
+    if param_dtype == numpy.float16:
+        return numpy.dtype(numpy.float32)
+    return param_dtype
+
+
+def plan_buckets(entries, bucket_size, allreduce_grad_dtype=None):
+    """Groups parameters into fusion buckets.
+
+    Args:
+        entries: iterable of ``(name, size, dtype)`` in the order in which
+            gradients are expected to become ready (posting order).
+        bucket_size (int): target size of a bucket in bytes.  A bucket is
+            closed as soon as adding the next member would exceed it; a
+            member larger than ``bucket_size`` gets a bucket of its own.
+        allreduce_grad_dtype: dtype on the wire, or ``None`` for the
+            parameter's own dtype (float32 for float16 parameters).
+
+    Returns:
+        list of :class:`BucketPlan`, in posting order.
+    """
+    if bucket_size <= 0:
+        raise ValueError('bucket_size must be positive, got {}'
+                         .format(bucket_size))
+    plans = []
+    cur, cur_dtype, cur_n = [], None, 0
+    for name, size, dtype in entries:
+        wdt = wire_dtype(dtype, allreduce_grad_dtype)
+        nbytes = (cur_n + size) * wdt.itemsize
+        if cur and (wdt != cur_dtype or nbytes > bucket_size):
+            plans.append(BucketPlan(cur_dtype, tuple(cur), cur_n))
+            cur, cur_n = [], 0
+        cur_dtype = wdt
+        cur.append((name, cur_n, int(size)))
+        cur_n += int(size)
+    if cur:
+        plans.append(BucketPlan(cur_dtype, tuple(cur), cur_n))
+    return plans
+
+
+class Bucket(object):
+    """Runtime state of one bucket: its buffer and its in-flight handle.
+
+    Args:
+        index (int): position in the posting order.
+        plan (BucketPlan): members and dtype.
+        params (list): the :class:`chainer.Parameter` of each member, in plan
+            order.
+    """
+
+    def __init__(self, index, plan, params):
+        self.index = index
+        self.plan = plan
+        self.params = params
+        self.names = tuple(e[0] for e in plan.entries)
+        self.buffer = None
+        self.handle = None
+        self.n_ready = 0
+        self.posted = False
+        # True once the reduced sum has been turned into a mean.
+        self.finalized = False
+
+    @property
+    def nbytes(self):
+        return self.plan.nelems * self.plan.dtype.itemsize
+
+    def ensure_buffer(self, xp):
+        """(Re)allocates the flat buffer on the parameters' device."""
+        if (self.buffer is None
+                or chainer.backend.get_array_module(self.buffer) is not xp):
+            self.buffer = xp.empty(self.plan.nelems, dtype=self.plan.dtype)
+        return self.buffer
+
+    def slot(self, i):
+        """Flat view of member ``i`` in the buffer."""
+        _, off, size = self.plan.entries[i]
+        return self.buffer[off:off + size]
+
+    def label(self):
+        first, last = self.names[0], self.names[-1]
+        span = first if first == last else '{} .. {}'.format(first, last)
+        return 'bucket {} ({} params, {:.2f} MB: {})'.format(
+            self.index, len(self.names), self.nbytes / 1e6, span)

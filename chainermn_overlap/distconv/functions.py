@@ -1,0 +1,320 @@
+"""Spatially distributed convolution and pooling functions.
+
+Each function mirrors its ``chainer.functions`` namesake with the grid
+first. It derives the global output extent from the global input extent,
+takes the balanced block of the output at this process's grid coordinates,
+fetches the global input box that block reads (padding included) with a
+:class:`~chainermn_overlap.distconv.exchange.RegionExchange`, and then runs
+the single-process Chainer function *without padding* on that box. Because
+padding cells are materialised with the value Chainer pads with (0, or -inf
+for max pooling), every output cell is computed from exactly the same values,
+in the same window order, as on one process.
+"""
+import chainer
+from chainer import backend
+from chainer import function_node
+import chainer.functions as F
+import numpy
+
+from chainermn_overlap.distconv import _comm
+from chainermn_overlap.distconv import exchange
+from chainermn_overlap.distconv import geometry
+
+
+def _ntuple(value, ndim, what, layer, minimum):
+    if isinstance(value, (int, numpy.integer)):
+        value = (int(value),) * ndim
+    try:
+        value = tuple(int(v) for v in value)
+    except TypeError:
+        raise ValueError('%s: %s must be an int or a tuple of %d ints, got %r'
+                         % (layer, what, ndim, value))
+    if len(value) != ndim:
+        raise ValueError('%s: %s must have one entry per spatial dimension '
+                         '(%d for grid dims), got %r'
+                         % (layer, what, ndim, value))
+    if any(v < minimum for v in value):
+        raise ValueError('%s: every %s must be >= %d, got %r'
+                         % (layer, what, minimum, value))
+    return value
+
+
+def _shape_of(v):
+    if v is None:
+        return None
+    return tuple(v.shape) if v.shape is not None else None
+
+
+def _window_exchange(grid, x, layer, layout, ksize, stride, pad, dilate,
+                     cover_all, fill):
+    """Fetches the input box of this process's output block.
+
+    Returns:
+        tuple: ``(x_ext, out_block_shape)``.
+    """
+    in_shape = layout.spatial_shape
+    out_shape = tuple(geometry.output_size(n, k, s, p, d, cover_all)
+                      for n, k, s, p, d
+                      in zip(in_shape, ksize, stride, pad, dilate))
+    if any(n <= 0 for n in out_shape):
+        raise ValueError(
+            '%s: the global input of spatial size %r is too small for '
+            'ksize=%r, stride=%r, pad=%r, dilate=%r (output size %r). Use '
+            'a larger input, more padding or a smaller kernel.'
+            % (layer, in_shape, ksize, stride, pad, dilate, out_shape))
+    plan, _, out_box = geometry.window_plan(
+        in_shape, grid.shape, ksize, stride, pad, dilate, bool(cover_all),
+        grid.spatial_rank)
+    x_ext = exchange.region_exchange(grid, x, plan, fill)
+    return x_ext, geometry.box_shape(out_box)
+
+
+def _check_grid_ndim(grid, ndim, layer):
+    if grid.ndim != ndim:
+        raise ValueError(
+            '%s works on %d spatial dimensions but the grid %r has %d. Use a '
+            'grid with %d entries, or the N-dimensional variant.'
+            % (layer, ndim, grid.shape, grid.ndim, ndim))
+
+
+def convolution_nd(grid, x, W, b=None, stride=1, pad=0, cover_all=False,
+                   dilate=1, groups=1, _layer=None):
+    """Spatially distributed N-dimensional convolution.
+
+    Mirrors :func:`chainer.functions.convolution_nd` with the grid first.
+    Collective over the grid's sample group (and the communicator, for the
+    layout check).
+
+    Args:
+        grid (SpatialGrid): The process grid; ``grid.ndim`` spatial dims.
+        x: This process's block ``(N, C, *block)``.
+        W: Filter ``(C_out, C / groups, *ksize)``, the same on every process.
+        b: Optional bias ``(C_out,)``.
+        stride, pad, dilate (int or tuple): As in Chainer; any pad >= 0
+            (also larger than the kernel radius).
+        cover_all (bool): As in Chainer.
+        groups (int): Number of channel groups.
+
+    Returns:
+        chainer.Variable: This process's block of the output.
+
+    Raises:
+        ValueError: On a bad layout or arguments (on every process).
+    """
+    layer = _layer or 'distconv.convolution_nd'
+    x = chainer.as_variable(x)
+    W = chainer.as_variable(W)
+    sig = (layer, _shape_of(W), _shape_of(b), repr(stride), repr(pad),
+           bool(cover_all), repr(dilate), repr(groups))
+    layout = grid.check_spatial(x, layer, sig)
+    ndim = grid.ndim
+    if W.ndim != 2 + ndim:
+        raise ValueError('%s: W must have shape (C_out, C_in/groups, %d '
+                         'kernel sizes) for grid %r, got %r'
+                         % (layer, ndim, grid.shape, W.shape))
+    ksize = tuple(W.shape[2:])
+    stride = _ntuple(stride, ndim, 'stride', layer, 1)
+    pad = _ntuple(pad, ndim, 'pad', layer, 0)
+    dilate = _ntuple(dilate, ndim, 'dilate', layer, 1)
+    if not isinstance(groups, (int, numpy.integer)) or groups < 1:
+        raise ValueError('%s: groups must be a positive int, got %r'
+                         % (layer, groups))
+    c_out, c_in = W.shape[0], W.shape[1] * groups
+    if layout.channels != c_in or c_out % groups:
+        raise ValueError(
+            '%s: input has %d channels but W %r with groups=%d expects %d '
+            '(and C_out divisible by groups). Match in_channels to the '
+            'input.' % (layer, layout.channels, W.shape, groups, c_in))
+    x_ext, out_block = _window_exchange(grid, x, layer, layout, ksize, stride,
+                                        pad, dilate, cover_all, 0)
+    out_shape = (x.shape[0], c_out) + out_block
+    inputs = (x_ext, W) + ((b,) if b is not None else ())
+    if numpy.prod(out_shape) == 0:
+        return exchange.ZeroBlock(out_shape).apply(inputs)[0]
+    if ndim == 2:
+        return F.convolution_2d(x_ext, W, b, stride, 0, dilate=dilate,
+                                groups=groups)
+    return F.convolution_nd(x_ext, W, b, stride, 0, dilate=dilate,
+                            groups=groups)
+
+
+def convolution_2d(grid, x, W, b=None, stride=1, pad=0, cover_all=False,
+                   dilate=1, groups=1, _layer=None):
+    """Spatially distributed 2-D convolution (see :func:`convolution_nd`)."""
+    layer = _layer or 'distconv.convolution_2d'
+    _check_grid_ndim(grid, 2, layer)
+    return convolution_nd(grid, x, W, b, stride, pad, cover_all, dilate,
+                          groups, _layer=layer)
+
+
+def _pool_args(grid, layer, ksize, stride, pad):
+    ndim = grid.ndim
+    ksize = _ntuple(ksize, ndim, 'ksize', layer, 1)
+    stride = ksize if stride is None else _ntuple(stride, ndim, 'stride',
+                                                  layer, 1)
+    pad = _ntuple(pad, ndim, 'pad', layer, 0)
+    return ksize, stride, pad
+
+
+def max_pooling_nd(grid, x, ksize, stride=None, pad=0, cover_all=True,
+                   return_indices=False):
+    """Spatially distributed N-dimensional max pooling.
+
+    Mirrors :func:`chainer.functions.max_pooling_nd`; padding cells are
+    -inf as in Chainer, so windows that reach into other processes' blocks
+    or far into the padding give the single-process result.
+
+    Args:
+        grid (SpatialGrid): The process grid.
+        x: This process's block ``(N, C, *block)``.
+        ksize, stride, pad: As in Chainer (``stride=None`` means ksize).
+        cover_all (bool): As in Chainer.
+        return_indices (bool): Not supported (indices would be local to
+            the exchanged box); must be False.
+
+    Returns:
+        chainer.Variable: This process's block of the output.
+    """
+    return _max_pooling(grid, x, ksize, stride, pad, cover_all,
+                        return_indices, 'distconv.max_pooling_nd')
+
+
+def max_pooling_2d(grid, x, ksize, stride=None, pad=0, cover_all=True,
+                   return_indices=False):
+    """Spatially distributed 2-D max pooling (see :func:`max_pooling_nd`)."""
+    layer = 'distconv.max_pooling_2d'
+    _check_grid_ndim(grid, 2, layer)
+    return _max_pooling(grid, x, ksize, stride, pad, cover_all,
+                        return_indices, layer)
+
+
+def _max_pooling(grid, x, ksize, stride, pad, cover_all, return_indices,
+                 layer):
+    x = chainer.as_variable(x)
+    sig = (layer, repr(ksize), repr(stride), repr(pad), bool(cover_all),
+           bool(return_indices))
+    layout = grid.check_spatial(x, layer, sig)
+    if return_indices:
+        raise ValueError(
+            '%s: return_indices=True is not supported, because the indices '
+            'would refer to the exchanged halo box, not to the input block. '
+            'Call it with return_indices=False.' % layer)
+    ksize, stride, pad = _pool_args(grid, layer, ksize, stride, pad)
+    x_ext, out_block = _window_exchange(
+        grid, x, layer, layout, ksize, stride, pad, (1,) * grid.ndim,
+        cover_all, -numpy.inf)
+    out_shape = x.shape[:2] + out_block
+    if numpy.prod(out_shape) == 0:
+        return exchange.ZeroBlock(out_shape).apply((x_ext,))[0]
+    return F.max_pooling_nd(x_ext, ksize, stride, 0, cover_all=False)
+
+
+def average_pooling_nd(grid, x, ksize, stride=None, pad=0, pad_value=0):
+    """Spatially distributed N-dimensional average pooling.
+
+    Mirrors :func:`chainer.functions.average_pooling_nd`.
+
+    Args:
+        grid (SpatialGrid): The process grid.
+        x: This process's block ``(N, C, *block)``.
+        ksize, stride, pad: As in Chainer (``stride=None`` means ksize).
+        pad_value (0 or None): 0 averages over the whole window with padding
+            counted as zeros; None averages over the cells inside the input
+            only, as in Chainer.
+
+    Returns:
+        chainer.Variable: This process's block of the output.
+    """
+    return _average_pooling(grid, x, ksize, stride, pad, pad_value,
+                            'distconv.average_pooling_nd')
+
+
+def average_pooling_2d(grid, x, ksize, stride=None, pad=0):
+    """Spatially distributed 2-D average pooling.
+
+    Mirrors :func:`chainer.functions.average_pooling_2d` (padding counts as
+    zeros in the window average).
+    """
+    layer = 'distconv.average_pooling_2d'
+    _check_grid_ndim(grid, 2, layer)
+    return _average_pooling(grid, x, ksize, stride, pad, 0, layer)
+
+
+def _average_pooling(grid, x, ksize, stride, pad, pad_value, layer):
+    x = chainer.as_variable(x)
+    sig = (layer, repr(ksize), repr(stride), repr(pad), repr(pad_value))
+    layout = grid.check_spatial(x, layer, sig)
+    if pad_value is not None and pad_value != 0:
+        raise ValueError(
+            '%s: pad_value must be 0 or None (as in Chainer), got %r'
+            % (layer, pad_value))
+    ksize, stride, pad = _pool_args(grid, layer, ksize, stride, pad)
+    x_ext, out_block = _window_exchange(
+        grid, x, layer, layout, ksize, stride, pad, (1,) * grid.ndim,
+        False, 0)
+    out_shape = x.shape[:2] + out_block
+    if numpy.prod(out_shape) == 0:
+        return exchange.ZeroBlock(out_shape).apply((x_ext,))[0]
+    y = F.average_pooling_nd(x_ext, ksize, stride, 0)
+    if pad_value is None:
+        # Chainer divides by the number of non-padding cells per window; the
+        # exchanged box knows where the global border is, so a mask of
+        # in-bounds cells pooled the same way gives that count's fraction.
+        y = y * _inside_fraction_inverse(grid, x_ext, layout, ksize, stride,
+                                         pad)
+    return y
+
+
+def _inside_fraction_inverse(grid, x_ext, layout, ksize, stride, pad):
+    xp = backend.get_array_module(x_ext.array)
+    plan, _, _ = geometry.window_plan(
+        layout.spatial_shape, grid.shape, ksize, stride, pad,
+        (1,) * grid.ndim, False, grid.spatial_rank)
+    mask = xp.zeros((1, 1) + geometry.box_shape(plan.ext),
+                    dtype=x_ext.dtype)
+    inside = geometry.clip(plan.ext, layout.spatial_shape)
+    if not geometry.box_is_empty(inside):
+        origin = tuple(iv[0] for iv in plan.ext)
+        mask[(Ellipsis,) + geometry.box_slices(inside, origin)] = 1
+    frac = F.average_pooling_nd(mask, ksize, stride, 0).array
+    with numpy.errstate(divide='ignore'):
+        return xp.broadcast_to(1 / frac, x_ext.shape[:2] + frac.shape[2:])
+
+
+class SpatialAllreduce(function_node.FunctionNode):
+    """Sum over the processes of a sample group; self-adjoint.
+
+    The output is replicated on the group's processes and each uses its copy
+    in its own loss, so the exact adjoint sums the copies' gradients.
+    """
+
+    def __init__(self, grid):
+        self.grid = grid
+
+    def forward(self, inputs):
+        x, = inputs
+        return _comm.allreduce_sum(self.grid.mpi_spatial, x),
+
+    def backward(self, indexes, grad_outputs):
+        return SpatialAllreduce(self.grid).apply(grad_outputs)
+
+
+def global_average_pooling(grid, x):
+    """Mean over the whole (distributed) spatial domain of each sample.
+
+    Args:
+        grid (SpatialGrid): The process grid.
+        x: This process's block ``(N, C, *block)``.
+
+    Returns:
+        chainer.Variable: ``(N, C)``, identical on the processes of the
+        sample group. Its backward sums the gradients of all copies (the
+        exact adjoint), see :meth:`SpatialGrid.loss_scale`.
+    """
+    layer = 'distconv.global_average_pooling'
+    x = chainer.as_variable(x)
+    layout = grid.check_spatial(x, layer, (layer,))
+    count = int(numpy.prod(layout.spatial_shape))
+    local = F.sum(x, axis=tuple(range(2, x.ndim)))
+    total = SpatialAllreduce(grid).apply((local,))[0]
+    return total * (1.0 / count)

@@ -1,0 +1,274 @@
+"""Pure geometry of spatially partitioned tensors (no MPI, no arrays).
+
+Everything here works on half-open integer intervals ``(lo, hi)`` and on
+boxes, which are tuples of intervals (one per spatial dimension). The MPI
+code in :mod:`chainermn_overlap.distconv.exchange` only moves the bytes that
+these functions describe, so all of the arithmetic that decides *what* is
+sent can be tested without any process (see ``tests/unit/distconv``).
+
+Conventions:
+    * Coordinates are global and refer to the *unpadded* input; an interval
+      may reach below 0 or beyond the global size, and those cells are the
+      (conceptual) padding of the operation.
+    * A tensor of global extent ``n`` distributed over ``p`` processes along
+      one dimension uses the balanced block distribution of
+      :func:`block_range`: the first ``n % p`` blocks have one more cell.
+      Blocks can be empty when ``n < p``.
+    * Spatial ranks are the row-major (C order) linearisation of the grid
+      coordinates.
+"""
+import collections
+import functools
+import itertools
+
+
+def block_range(n, p, i):
+    """Returns the interval of block ``i`` when ``n`` cells are split ``p`` ways.
+
+    Args:
+        n (int): Global number of cells (>= 0).
+        p (int): Number of blocks (>= 1).
+        i (int): Block index, ``0 <= i < p``.
+
+    Returns:
+        tuple: ``(lo, hi)``; ``hi - lo`` is ``n // p`` or ``n // p + 1``.
+    """
+    if p < 1 or not 0 <= i < p or n < 0:
+        raise ValueError('block_range: need n >= 0, p >= 1 and 0 <= i < p, '
+                         'got n=%d, p=%d, i=%d' % (n, p, i))
+    base, rem = divmod(n, p)
+    lo = i * base + min(i, rem)
+    return lo, lo + base + (1 if i < rem else 0)
+
+
+def block_sizes(n, p):
+    """Returns the list of block sizes of :func:`block_range` for all blocks."""
+    return [hi - lo for lo, hi in (block_range(n, p, i) for i in range(p))]
+
+
+def grid_coords(grid_shape, spatial_rank):
+    """Returns the grid coordinates of a spatial rank (row-major order)."""
+    coords = []
+    for p in reversed(grid_shape):
+        spatial_rank, c = divmod(spatial_rank, p)
+        coords.append(c)
+    return tuple(reversed(coords))
+
+
+def grid_rank(grid_shape, coords):
+    """Returns the spatial rank of grid coordinates (row-major order)."""
+    r = 0
+    for p, c in zip(grid_shape, coords):
+        r = r * p + c
+    return r
+
+
+def grid_size(grid_shape):
+    """Returns the number of processes of a spatial grid."""
+    return functools.reduce(lambda a, b: a * b, grid_shape, 1)
+
+
+def block_box(global_shape, grid_shape, coords):
+    """Returns the box owned by the process at ``coords``.
+
+    Args:
+        global_shape (tuple of int): Global spatial extent.
+        grid_shape (tuple of int): Processes per spatial dimension.
+        coords (tuple of int): Grid coordinates of the process.
+
+    Returns:
+        tuple: One ``(lo, hi)`` interval per dimension.
+    """
+    return tuple(block_range(n, p, c)
+                 for n, p, c in zip(global_shape, grid_shape, coords))
+
+
+def interval_size(iv):
+    return max(iv[1] - iv[0], 0)
+
+
+def box_shape(box):
+    """Returns the extent of a box per dimension (0 for empty intervals)."""
+    return tuple(interval_size(iv) for iv in box)
+
+
+def box_is_empty(box):
+    return any(interval_size(iv) == 0 for iv in box)
+
+
+def intersect(a, b):
+    """Intersects two boxes; the result may be empty (check box_is_empty)."""
+    return tuple((max(x[0], y[0]), min(x[1], y[1])) for x, y in zip(a, b))
+
+
+def clip(box, global_shape):
+    """Clips a box to the unpadded global extent ``[0, n)`` per dimension."""
+    return intersect(box, tuple((0, n) for n in global_shape))
+
+
+def box_slices(box, origin):
+    """Returns slices selecting ``box`` in an array whose cell 0 is ``origin``.
+
+    Args:
+        box (tuple): Global box to select (must lie inside the array).
+        origin (tuple of int): Global coordinate of the array's first cell
+            per dimension.
+
+    Returns:
+        tuple of slice: One slice per spatial dimension.
+    """
+    return tuple(slice(iv[0] - o, iv[1] - o) for iv, o in zip(box, origin))
+
+
+def dilated_ksize(ksize, dilate):
+    return dilate * (ksize - 1) + 1
+
+
+def output_size(n, ksize, stride, pad, dilate=1, cover_all=False):
+    """Output extent of a window operation, as ``chainer.utils.conv``.
+
+    Args:
+        n (int): Input extent.
+        ksize (int): Window size.
+        stride (int): Step between windows.
+        pad (int): Implicit padding on both sides.
+        dilate (int): Dilation of the window.
+        cover_all (bool): If True, adds windows so that every input cell is
+            covered (max pooling's default), as Chainer does.
+
+    Returns:
+        int: The output extent; can be <= 0 when the input is too small.
+    """
+    dk = dilated_ksize(ksize, dilate)
+    if cover_all:
+        return (n + 2 * pad - dk + stride - 1) // stride + 1
+    return (n + 2 * pad - dk) // stride + 1
+
+
+def input_interval(out_iv, ksize, stride, pad, dilate=1):
+    """Global input interval read by the outputs ``out_iv`` of a window op.
+
+    Output ``o`` reads input cells ``o * stride - pad + j * dilate`` for
+    ``j < ksize``. The returned interval is the tight hull of those cells, so
+    it can extend into the padding (below 0 or beyond the input size).
+
+    Args:
+        out_iv (tuple): Output interval ``(lo, hi)``.
+        ksize, stride, pad, dilate (int): Window parameters.
+
+    Returns:
+        tuple: ``(lo, hi)``; empty (``lo == hi``) if ``out_iv`` is empty.
+    """
+    lo, hi = out_iv
+    start = lo * stride - pad
+    if hi <= lo:
+        return start, start
+    return start, (hi - 1) * stride - pad + dilated_ksize(ksize, dilate)
+
+
+def window_input_box(out_box, ksize, stride, pad, dilate):
+    """:func:`input_interval` for every dimension; empty if out_box is."""
+    if box_is_empty(out_box):
+        return tuple((iv[0] * s - p, iv[0] * s - p)
+                     for iv, s, p in zip(out_box, stride, pad))
+    return tuple(input_interval(iv, k, s, p, d)
+                 for iv, k, s, p, d in zip(out_box, ksize, stride, pad, dilate))
+
+
+ExchangePlan = collections.namedtuple(
+    'ExchangePlan', ['own', 'ext', 'local', 'recvs', 'sends'])
+ExchangePlan.__doc__ = """What one process sends and receives in an exchange.
+
+Attributes:
+    own (tuple): Global box this process owns in the input distribution.
+    ext (tuple): Global box (possibly reaching into the padding) that this
+        process needs; the exchange output covers exactly this box.
+    local (tuple): ``own`` intersected with the unpadded part of ``ext``; it
+        is copied without messages.
+    recvs (list): ``(spatial_rank, box)`` for every other process that owns
+        a non-empty part ``box`` of what this process needs.
+    sends (list): ``(spatial_rank, box)`` for every other process that needs
+        the non-empty part ``box`` of this process's block.
+"""
+
+
+def exchange_plan(global_shape, grid_shape, needed, spatial_rank):
+    """Plans a general region exchange for one process.
+
+    Every process owns the block :func:`block_box` of a tensor of global
+    extent ``global_shape`` and needs an arbitrary box ``needed[r]``. Any
+    process may own part of any other's needed box (not only neighbours),
+    which covers halos wider than a neighbour's block and corners.
+
+    Args:
+        global_shape (tuple of int): Global spatial extent of the input.
+        grid_shape (tuple of int): Processes per spatial dimension.
+        needed (list of tuple): Needed box of every spatial rank (global,
+            unclipped coordinates).
+        spatial_rank (int): The process to plan for.
+
+    Returns:
+        ExchangePlan: The plan; messages are listed in ascending peer order,
+        and ``sends`` of one process mirror ``recvs`` of its peers.
+    """
+    nprocs = grid_size(grid_shape)
+    if len(needed) != nprocs:
+        raise ValueError('exchange_plan: %d needed boxes for %d processes'
+                         % (len(needed), nprocs))
+    owns = [block_box(global_shape, grid_shape, grid_coords(grid_shape, r))
+            for r in range(nprocs)]
+    me = spatial_rank
+    own = owns[me]
+    ext = tuple(needed[me])
+
+    def part(owner, needer):
+        if box_is_empty(needed[needer]):
+            return None
+        box = intersect(owns[owner], clip(needed[needer], global_shape))
+        return None if box_is_empty(box) else box
+
+    local = part(me, me)
+    recvs = [(r, part(r, me)) for r in range(nprocs)
+             if r != me and part(r, me) is not None]
+    sends = [(r, part(me, r)) for r in range(nprocs)
+             if r != me and part(me, r) is not None]
+    return ExchangePlan(own, ext, local, recvs, sends)
+
+
+@functools.lru_cache(maxsize=1024)
+def window_plan(in_shape, grid_shape, ksize, stride, pad, dilate, cover_all,
+                spatial_rank):
+    """Plans the exchange of a window operation (convolution, pooling).
+
+    Each process owns the balanced block of the *output* and needs the input
+    box read by it (:func:`window_input_box`).
+
+    Args:
+        in_shape (tuple of int): Global input spatial extent.
+        grid_shape (tuple of int): Processes per spatial dimension.
+        ksize, stride, pad, dilate (tuple of int): Per-dimension window
+            parameters.
+        cover_all (bool): Chainer's ``cover_all`` output size rule.
+        spatial_rank (int): The process to plan for.
+
+    Returns:
+        tuple: ``(plan, out_shape, out_box)``: the :class:`ExchangePlan`, the
+        global output extent and this process's output box.
+    """
+    out_shape = tuple(output_size(n, k, s, p, d, cover_all) for n, k, s, p, d
+                      in zip(in_shape, ksize, stride, pad, dilate))
+    if any(n <= 0 for n in out_shape):
+        raise ValueError('window_plan: empty output %r' % (out_shape,))
+    needed = []
+    for r in range(grid_size(grid_shape)):
+        out_box = block_box(out_shape, grid_shape, grid_coords(grid_shape, r))
+        needed.append(window_input_box(out_box, ksize, stride, pad, dilate))
+    out_box = block_box(out_shape, grid_shape,
+                        grid_coords(grid_shape, spatial_rank))
+    plan = exchange_plan(in_shape, grid_shape, needed, spatial_rank)
+    return plan, out_shape, out_box
+
+
+def all_grid_coords(grid_shape):
+    """All coordinates of a grid in spatial-rank order."""
+    return list(itertools.product(*[range(p) for p in grid_shape]))

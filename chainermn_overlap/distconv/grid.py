@@ -1,0 +1,351 @@
+"""The process grid of spatial parallelism and the block layout of tensors."""
+import collections
+
+import chainer
+from chainer import backend
+import numpy
+
+from chainermn_overlap.distconv import _comm
+from chainermn_overlap.distconv import geometry
+
+_AXIS_NAMES = {1: ('W',), 2: ('H', 'W'), 3: ('D', 'H', 'W')}
+
+
+def axis_names(ndim):
+    """Names of the spatial axes for messages ('H', 'W', ...)."""
+    return _AXIS_NAMES.get(ndim, tuple('S%d' % i for i in range(ndim)))
+
+
+Layout = collections.namedtuple(
+    'Layout', ['spatial_shape', 'group_samples', 'channels'])
+Layout.__doc__ = """Global description of a spatially distributed tensor.
+
+Attributes:
+    spatial_shape (tuple of int): Global spatial extent.
+    group_samples (list of int): Number of samples held by each sample group.
+    channels (int): Number of channels (axis 1).
+"""
+
+
+class SpatialGrid(object):
+    """A grid of processes splitting the spatial dimensions of samples.
+
+    The communicator's processes form ``comm.size // prod(shape)`` sample
+    groups of ``prod(shape)`` consecutive ranks each. Within a group, the
+    process with spatial rank ``s`` (row-major over ``shape``) owns the
+    balanced block (:func:`geometry.block_range`) of every spatial dimension
+    at its grid coordinates; sample groups split the global batch into
+    balanced ranges of samples, like data parallelism does.
+
+    A tensor in *spatial layout* has shape ``(N_group, C, *block)`` on each
+    process. The block sizes are not stored anywhere: every distconv
+    operation allgathers the local shapes (a few integers), derives the
+    global extent and checks that the blocks match this layout, so wrong
+    inputs raise the same :class:`ValueError` on every rank instead of
+    hanging.
+
+    Args:
+        comm: A ChainerMN communicator (or an mpi4py communicator). Its size
+            must be a multiple of ``prod(shape)``.
+        shape (tuple of int): Processes per spatial dimension, e.g. ``(H, W)``
+            or ``(D, H, W)``.
+
+    Attributes:
+        shape (tuple of int): The grid shape.
+        ndim (int): Number of spatial dimensions.
+        size (int): Number of processes in the communicator.
+        rank (int): This process's rank in the communicator.
+        spatial_size (int): Processes per sample group, ``prod(shape)``.
+        n_groups (int): Number of sample groups.
+        group (int): This process's sample group.
+        spatial_rank (int): This process's rank inside its group.
+        coords (tuple of int): This process's grid coordinates.
+    """
+
+    def __init__(self, comm, shape):
+        mpi_comm = getattr(comm, 'mpi_comm', comm)
+        try:
+            shape = tuple(int(s) for s in shape)
+        except TypeError:
+            raise ValueError(
+                'distconv.SpatialGrid: shape must be a tuple of process '
+                'counts per spatial dimension such as (2, 2), got %r'
+                % (shape,))
+        if not shape or any(s < 1 for s in shape):
+            raise ValueError(
+                'distconv.SpatialGrid: shape must be a non-empty tuple of '
+                'positive process counts, got %r' % (shape,))
+        size = mpi_comm.Get_size()
+        spatial = geometry.grid_size(shape)
+        if size % spatial != 0:
+            raise ValueError(
+                'distconv.SpatialGrid: grid shape %r needs a multiple of %d '
+                'processes, but the communicator has %d. Use a grid whose '
+                'product divides %d (the quotient is the number of sample '
+                'groups), or launch a multiple of %d processes.'
+                % (shape, spatial, size, size, spatial))
+        self.comm = comm
+        self.shape = shape
+        self.ndim = len(shape)
+        self.size = size
+        self.rank = mpi_comm.Get_rank()
+        self.spatial_size = spatial
+        self.n_groups = size // spatial
+        self.group = self.rank // spatial
+        self.spatial_rank = self.rank % spatial
+        self.coords = geometry.grid_coords(shape, self.spatial_rank)
+        # Private communicators: distconv's point-to-point messages and
+        # reductions can never match messages of the user or of a
+        # gradient-communication thread that uses the original communicator.
+        self.mpi_world = mpi_comm.Dup()
+        self.mpi_spatial = mpi_comm.Split(self.group, self.spatial_rank)
+
+    def __repr__(self):
+        return 'SpatialGrid(shape=%r, groups=%d, rank=%d)' % (
+            self.shape, self.n_groups, self.rank)
+
+    # Links holding a grid get copied (Link.copy, deepcopy in evaluators);
+    # the grid is a shared handle to communicators and must not be cloned.
+    def __copy__(self):
+        return self
+
+    def __deepcopy__(self, memo):
+        return self
+
+    def __reduce__(self):
+        raise TypeError('distconv.SpatialGrid holds MPI communicators and '
+                        'cannot be pickled; rebuild it on each process.')
+
+    # ------------------------------------------------------------------
+    # Layouts
+    # ------------------------------------------------------------------
+    def sample_range(self, n):
+        """Samples ``[lo, hi)`` of a global batch of ``n`` held by this group."""
+        return geometry.block_range(n, self.n_groups, self.group)
+
+    def block(self, spatial_shape):
+        """This process's box of a tensor with global ``spatial_shape``."""
+        return geometry.block_box(spatial_shape, self.shape, self.coords)
+
+    def _gather_info(self, x, layer, signature):
+        arr = x.array if isinstance(x, chainer.Variable) else x
+        info = (tuple(int(s) for s in arr.shape), str(arr.dtype), signature)
+        return self.mpi_world.allgather(info)
+
+    def _check_common(self, infos, layer):
+        names = axis_names(self.ndim)
+        for r, (shape, _, _) in enumerate(infos):
+            if len(shape) != 2 + self.ndim:
+                raise ValueError(
+                    '%s: input must have shape (N, C, %s) to match the %d-D '
+                    'grid %r, but rank %d passed shape %r. Use a grid with '
+                    'one entry per spatial dimension (e.g. (2, 1, 1) for 3-D '
+                    'data).' % (layer, ', '.join(names), self.ndim,
+                                self.shape, r, shape))
+        sig0 = infos[0][2]
+        for r, (_, _, sig) in enumerate(infos):
+            if sig != sig0:
+                raise ValueError(
+                    '%s: arguments differ between processes (rank 0: %r, '
+                    'rank %d: %r). Every process must call the layer with '
+                    'the same arguments and parameter shapes.'
+                    % (layer, sig0, r, sig))
+        dtype0 = infos[0][1]
+        ch0 = infos[0][0][1]
+        for r, (shape, dtype, _) in enumerate(infos):
+            if dtype != dtype0 or shape[1] != ch0:
+                raise ValueError(
+                    '%s: rank 0 passed %d channels of %s but rank %d passed '
+                    '%d channels of %s. All processes must hold the same '
+                    'channels and dtype.'
+                    % (layer, ch0, dtype0, r, shape[1], dtype))
+
+    def check_spatial(self, x, layer, signature=()):
+        """Checks that ``x`` is a block of the spatial layout (collective).
+
+        Every process must call this with its block. All processes receive
+        the same information, so on bad input all of them raise the same
+        error.
+
+        Args:
+            x: This process's block, ``(N_group, C, *block)``.
+            layer (str): Name used in error messages.
+            signature (tuple): Picklable arguments that must agree across
+                processes (kernel sizes, parameter shapes, ...).
+
+        Returns:
+            Layout: The global description of the tensor.
+
+        Raises:
+            ValueError: If the blocks do not form the grid's layout.
+        """
+        infos = self._gather_info(x, layer, signature)
+        self._check_common(infos, layer)
+        names = axis_names(self.ndim)
+        P = self.spatial_size
+        group_samples = []
+        spatial_shape = None
+        for g in range(self.n_groups):
+            shapes = [infos[g * P + s][0] for s in range(P)]
+            n0 = shapes[0][0]
+            for s, shp in enumerate(shapes):
+                if shp[0] != n0:
+                    raise ValueError(
+                        '%s: ranks %d and %d of sample group %d hold %d and '
+                        '%d samples. The processes of a sample group must '
+                        'hold the same samples; split the batch with '
+                        'grid.scatter or grid.sample_range.'
+                        % (layer, g * P, g * P + s, g, n0, shp[0]))
+            group_samples.append(n0)
+            gshape = []
+            for d in range(self.ndim):
+                by_coord = {}
+                for s, shp in enumerate(shapes):
+                    c = geometry.grid_coords(self.shape, s)[d]
+                    size = shp[2 + d]
+                    if by_coord.setdefault(c, size) != size:
+                        raise ValueError(
+                            '%s: processes in the same grid slice along %s '
+                            'hold blocks of different size (%d and %d, rank '
+                            '%d of group %d). The input is not in the block '
+                            'layout of grid %r; create it with grid.scatter '
+                            'or distconv layers.' % (
+                                layer, names[d], by_coord[c], size,
+                                g * P + s, g, self.shape))
+                sizes = [by_coord[c] for c in range(self.shape[d])]
+                n = sum(sizes)
+                expect = geometry.block_sizes(n, self.shape[d])
+                if sizes != expect:
+                    raise ValueError(
+                        '%s: along %s the blocks of group %d have sizes %r, '
+                        'but the balanced split of %d over %d processes is '
+                        '%r (input spatial sizes disagree with the grid '
+                        'layout). Create inputs with grid.scatter or '
+                        'distconv layers.' % (layer, names[d], g, sizes, n,
+                                              self.shape[d], expect))
+                gshape.append(n)
+            gshape = tuple(gshape)
+            if spatial_shape is None:
+                spatial_shape = gshape
+            elif gshape != spatial_shape:
+                raise ValueError(
+                    '%s: the global spatial size differs between sample '
+                    'groups (%r in group 0, %r in group %d). All samples of '
+                    'a batch must have the same spatial size.'
+                    % (layer, spatial_shape, gshape, g))
+        return Layout(spatial_shape, group_samples, infos[0][0][1])
+
+    def check_samples(self, x, layer, signature=()):
+        """Checks a tensor in sample layout (whole samples per process).
+
+        Returns:
+            tuple: ``(spatial_shape, counts)`` where ``counts[s]`` is the
+            number of samples of spatial rank ``s`` in this group.
+        """
+        infos = self._gather_info(x, layer, signature)
+        self._check_common(infos, layer)
+        shape0 = infos[0][0][2:]
+        for r, (shape, _, _) in enumerate(infos):
+            if shape[2:] != shape0:
+                raise ValueError(
+                    '%s: whole samples must have the same spatial size on '
+                    'every process, but rank 0 has %r and rank %d has %r.'
+                    % (layer, shape0, r, shape[2:]))
+        P = self.spatial_size
+        counts = [infos[self.group * P + s][0][0] for s in range(P)]
+        return shape0, counts
+
+    # ------------------------------------------------------------------
+    # User-facing distribution helpers (not for the training path)
+    # ------------------------------------------------------------------
+    def scatter(self, x):
+        """Returns this process's block of a global batch.
+
+        Args:
+            x: The global batch ``(N, C, *spatial)``, identical on every
+                process (numpy or cupy array, or Variable).
+
+        Returns:
+            A C-contiguous array ``(N_group, C, *block)`` of this process's
+            samples and spatial block.
+        """
+        arr = x.array if isinstance(x, chainer.Variable) else x
+        if arr.ndim != 2 + self.ndim:
+            raise ValueError(
+                'distconv.SpatialGrid.scatter: expected (N, C, %s) for grid '
+                '%r, got shape %r.' % (', '.join(axis_names(self.ndim)),
+                                       self.shape, arr.shape))
+        lo, hi = self.sample_range(arr.shape[0])
+        box = self.block(arr.shape[2:])
+        sl = (slice(lo, hi), slice(None)) + tuple(slice(a, b) for a, b in box)
+        xp = backend.get_array_module(arr)
+        return xp.ascontiguousarray(arr[sl])
+
+    def scatter_samples(self, t):
+        """Returns this group's samples of a per-sample array (e.g. labels)."""
+        arr = t.array if isinstance(t, chainer.Variable) else t
+        lo, hi = self.sample_range(arr.shape[0])
+        return arr[lo:hi]
+
+    def gather(self, y):
+        """Assembles the global tensor from every process's block.
+
+        Collective over the whole communicator. Meant for users and tests:
+        it allocates the full tensor on every process.
+
+        Args:
+            y: This process's block (array or Variable) in spatial layout.
+
+        Returns:
+            The global array ``(N, C, *spatial)`` on ``y``'s device.
+        """
+        arr = y.array if isinstance(y, chainer.Variable) else y
+        layout = self.check_spatial(arr, 'distconv.SpatialGrid.gather')
+        parts = self.mpi_world.allgather(_comm.to_host(arr))
+        P = self.spatial_size
+        n_total = sum(layout.group_samples)
+        out = numpy.empty((n_total, layout.channels) + layout.spatial_shape,
+                          dtype=parts[0].dtype)
+        offset = 0
+        for g in range(self.n_groups):
+            n = layout.group_samples[g]
+            for s in range(P):
+                box = geometry.block_box(layout.spatial_shape, self.shape,
+                                         geometry.grid_coords(self.shape, s))
+                sl = (slice(offset, offset + n), slice(None)) + tuple(
+                    slice(a, b) for a, b in box)
+                out[sl] = parts[g * P + s]
+            offset += n
+        return _comm.like(out, arr)
+
+    def loss_scale(self, n_local):
+        """Factor turning a sum of per-sample losses into the rank's loss.
+
+        Every distconv operation's backward is the exact adjoint of its
+        forward, so after ``loss.backward()`` the parameter gradients summed
+        over all processes are the gradient of the *sum of all processes'
+        losses*. ``create_multi_node_optimizer`` averages over all
+        processes. Hence each process's loss must be ``comm.size`` times its
+        share of the global mean loss; with
+
+            ``loss = F.sum(per_sample_losses) * grid.loss_scale(len(t))``
+
+        the update equals the single-process update on the global batch, in
+        spatial layout (spatial ranks of a group compute the same loss) as
+        in sample layout, also for uneven or empty sample groups. For equal
+        sample groups this equals the usual per-process mean loss.
+
+        Collective over the whole communicator.
+
+        Args:
+            n_local (int): Number of samples whose losses this process sums.
+
+        Returns:
+            float: ``comm.size / sum over processes of n_local``.
+        """
+        total = int(_comm.allreduce_sum(
+            self.mpi_world, numpy.array([n_local], dtype=numpy.int64))[0])
+        if total == 0:
+            raise ValueError('distconv.SpatialGrid.loss_scale: the global '
+                             'batch is empty on every process.')
+        return float(self.size) / total

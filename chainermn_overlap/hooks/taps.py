@@ -1,0 +1,147 @@
+"""Gradient taps (backward), forward pre-hooks and parameter-use detection.
+
+Chainer sets leaf gradients only at the very end of ``Variable.backward``,
+so there is no per-parameter "gradient ready" event.  A tap is an identity
+``FunctionNode`` placed between a parameter and its consumer for one call of
+its link: its ``backward`` receives exactly that call's gradient
+contribution, and returns it unchanged (results stay bit-identical).
+
+The link's input is given to the tap as a second, dummy input.  Without it
+the tap would have rank 0 and Chainer's backward, which processes nodes in
+decreasing rank order, would run every tap at the very end; with it the tap
+runs right after its consumer, in reverse layer order.
+"""
+import chainer
+from chainer import function_hook
+from chainer import function_node
+from chainer import link_hook
+from chainer import variable
+
+
+class GradTap(function_node.FunctionNode):
+    """Identity on a parameter that reports the gradient flowing through it.
+
+    Args:
+        sink: object with ``on_tap(param, grad)``, called during backward.
+        param (chainer.Parameter): the tapped parameter.
+    """
+
+    def __init__(self, sink, param):
+        self.sink = sink
+        self.param = param
+
+    def forward(self, inputs):
+        # A view, not the array itself: consumers must not see the raw
+        # parameter array, which is how uses outside a link are detected.
+        return inputs[0].view(),
+
+    def backward(self, indexes, grad_outputs):
+        gy = grad_outputs[0]
+        self.sink.on_tap(self.param, None if gy is None else gy.array)
+        if len(self.inputs) == 2:
+            return gy, None
+        return gy,
+
+
+def _first_variable(args, kwargs):
+    for a in args:
+        if isinstance(a, variable.Variable):
+            return a
+    for a in kwargs.values():
+        if isinstance(a, variable.Variable):
+            return a
+    return None
+
+
+class OverlapLinkHook(link_hook.LinkHook):
+    """Forward pre/post hook registered on each link that owns parameters.
+
+    Before the link runs, the sink applies the link's pending update (the
+    wait of the layer-wise method), then each initialised parameter is
+    swapped, through the link's ``__dict__``, for the output of a
+    :class:`GradTap`; after the link ran, the parameters are put back.
+
+    Copies of a hooked link (``copy.deepcopy``, pickling) get an inert hook,
+    and links the sink does not track are ignored, so a model copied for
+    evaluation is not tied to the optimizer.
+    """
+
+    name = 'chainermn_overlap'
+
+    def __init__(self, sink):
+        self.sink = sink
+
+    def forward_preprocess(self, args):
+        self.sink.before_forward(args.link, args.args, args.kwargs)
+
+    def forward_postprocess(self, args):
+        self.sink.after_forward(args.link)
+
+    def __deepcopy__(self, memo):
+        return _InertLinkHook()
+
+    def __reduce__(self):
+        return _InertLinkHook, ()
+
+
+class _InertLinkHook(link_hook.LinkHook):
+    """What a copied or unpickled :class:`OverlapLinkHook` becomes."""
+
+    name = 'chainermn_overlap'
+
+
+class ParamUseHook(function_hook.FunctionHook):
+    """Sees every function application, to catch raw parameter arrays.
+
+    A parameter reaches a function either through its link (then the
+    function receives a tap's view) or directly, e.g. ``F.linear(x, l.W)``
+    in a parent's forward.  A direct use means (a) the parameter must be up
+    to date before the function runs, and (b) part of its gradient bypasses
+    the taps, so it is only final when backward ends.
+    """
+
+    name = 'chainermn_overlap_param_use'
+
+    def __init__(self):
+        self.sinks = []
+
+    def forward_preprocess(self, function, in_data):
+        if isinstance(function, GradTap):
+            return
+        for sink in self.sinks:
+            lookup = sink.array_lookup
+            if not lookup:
+                continue
+            for a in in_data:
+                info = lookup.get(id(a))
+                if info is not None:
+                    sink.on_raw_use(info)
+
+    def __deepcopy__(self, memo):
+        return self
+
+
+_PARAM_USE_HOOK = ParamUseHook()
+
+
+def install_param_use_hook(sink):
+    """Registers ``sink`` with the process-wide function hook.
+
+    Function hooks are thread-local in Chainer; this installs the hook in
+    the calling thread (``ensure_param_use_hook`` re-checks cheaply from the
+    link hook, so training in another thread is covered too).
+    """
+    if sink not in _PARAM_USE_HOOK.sinks:
+        _PARAM_USE_HOOK.sinks.append(sink)
+    ensure_param_use_hook()
+
+
+def uninstall_param_use_hook(sink):
+    if sink in _PARAM_USE_HOOK.sinks:
+        _PARAM_USE_HOOK.sinks.remove(sink)
+
+
+def ensure_param_use_hook():
+    hooks = chainer.get_function_hooks()
+    if ParamUseHook.name not in hooks:
+        hooks[ParamUseHook.name] = _PARAM_USE_HOOK

@@ -1,0 +1,920 @@
+"""The overlapped multi-node optimizer (layer-wise non-blocking allreduce).
+
+One iteration with ``wait='forward'``::
+
+    forward:  link L pre-hook -> wait for L's buckets -> apply the update
+              rule to L's parameters -> L.forward (parameters tapped)
+    backward: tap(L.W) fires -> W's gradient is final? -> W joins its bucket
+              -> bucket complete and all earlier buckets posted? -> post it
+    update(): close the iteration: pack what is left, post it, return
+
+With ``wait='update'`` the same posting happens during backward and
+``update()`` waits for everything and runs the actual optimizer, the way
+DDP and Horovod do.  Either way every rank posts the same buckets in the
+same order (bucket index order, from a layout broadcast by rank 0), however
+its own control flow went, so collectives always match.
+
+This module keeps all per-iteration state in :class:`_OverlapState`; the
+hooks in :mod:`chainermn_overlap.hooks` only report events to it, and the
+communication itself is behind :mod:`chainermn_overlap.communication`.
+"""
+import contextlib
+import json
+import re
+import warnings
+import weakref
+
+import numpy
+
+import chainer
+import chainermn
+from chainer import optimizer as optimizer_module
+
+from chainermn_overlap import _autosync
+from chainermn_overlap.communication import backends
+from chainermn_overlap.communication import buckets as buckets_module
+from chainermn_overlap.errors import FallbackWarning
+from chainermn_overlap.hooks import taps
+
+
+DEFAULT_BUCKET_SIZE = 16 * 1024 * 1024
+
+_SIZE_UNITS = {'': 1, 'b': 1, 'kb': 10 ** 3, 'mb': 10 ** 6, 'gb': 10 ** 9,
+               'kib': 2 ** 10, 'mib': 2 ** 20, 'gib': 2 ** 30}
+
+
+def parse_size(value):
+    """Parses a bucket size: bytes as a number, or a string like ``'25MB'``."""
+    if isinstance(value, str):
+        m = re.fullmatch(r'\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*', value)
+        if m is None or m.group(2).lower() not in _SIZE_UNITS:
+            raise ValueError(
+                'bucket_size {!r} is not understood; give a number of bytes '
+                'or a string such as "25MB" or "4MiB"'.format(value))
+        value = float(m.group(1)) * _SIZE_UNITS[m.group(2).lower()]
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError('bucket_size must be a number of bytes or a string '
+                         'such as "25MB", got {!r}'.format(value))
+    if not value >= 1:
+        raise ValueError('bucket_size must be at least 1 byte, got {!r}'
+                         .format(value))
+    return int(value)
+
+
+# ----------------------------------------------------------------------------
+# Small MPI helpers: JSON over byte buffers, so that nothing received from a
+# peer is ever unpickled.
+
+def _allgather_json(mpi_comm, obj):
+    from mpi4py import MPI
+    data = numpy.frombuffer(json.dumps(obj).encode(), dtype=numpy.uint8)
+    counts = mpi_comm.allgather(len(data))
+    out = numpy.empty(sum(counts), dtype=numpy.uint8)
+    displs = numpy.concatenate([[0], numpy.cumsum(counts)[:-1]]).tolist()
+    mpi_comm.Allgatherv([data, MPI.BYTE], [out, counts, displs, MPI.BYTE])
+    return [json.loads(out[d:d + c].tobytes().decode())
+            for d, c in zip(displs, counts)]
+
+
+def _bcast_json(mpi_comm, obj, root=0):
+    from mpi4py import MPI
+    data = (json.dumps(obj).encode() if mpi_comm.Get_rank() == root else b'')
+    n = mpi_comm.bcast(len(data), root=root)
+    buf = numpy.empty(n, dtype=numpy.uint8)
+    if mpi_comm.Get_rank() == root:
+        buf[:] = numpy.frombuffer(data, dtype=numpy.uint8)
+    mpi_comm.Bcast([buf, MPI.BYTE], root=root)
+    return json.loads(buf.tobytes().decode())
+
+
+def _bcast_array(mpi_comm, array, root):
+    """Broadcasts an array in place (as bytes; staged on the host for GPU)."""
+    from mpi4py import MPI
+    xp = chainer.backend.get_array_module(array)
+    host = array if xp is numpy else chainer.backend.CpuDevice().send(array)
+    if not host.flags.c_contiguous:
+        host = numpy.ascontiguousarray(host)
+    mpi_comm.Bcast([host.view(numpy.uint8).reshape(-1), MPI.BYTE], root=root)
+    if host is not array:
+        array[...] = xp.asarray(host)
+
+
+def _describe(sig):
+    shape, dtype = sig
+    if shape is None:
+        return 'uninitialised'
+    return 'shape {} {}'.format(tuple(shape), dtype)
+
+
+# ----------------------------------------------------------------------------
+
+class _ParamInfo(object):
+    """Per-parameter state of the current iteration and the pending update."""
+
+    __slots__ = ('name', 'param', 'bucket', 'index', 'expected', 'fired',
+                 'acc', 'ready', 'tainted', 'pending')
+
+    def __init__(self, name, param, bucket, index):
+        self.name = name
+        self.param = param
+        self.bucket = bucket
+        self.index = index
+        self.pending = False
+        self.reset()
+
+    def reset(self):
+        self.expected = 0   # tapped uses made in forward
+        self.fired = 0      # taps that delivered their gradient
+        self.acc = None     # gradient accumulated from taps so far
+        self.ready = False  # packed into the bucket; will not change
+        self.tainted = False  # used outside its link: final only at close
+
+
+class _OverlapState(object):
+    """Everything the overlapped optimizer knows, in one place."""
+
+    def __init__(self, actual, communicator, wait, bucket_size, zero_fill,
+                 allreduce_grad_dtype, backend):
+        self.actual = actual
+        self.communicator = communicator
+        self.mpi_comm = communicator.mpi_comm
+        self.rank = communicator.rank
+        self.size = communicator.size
+        self.wait = wait
+        self.bucket_size = bucket_size
+        self.zero_fill = zero_fill
+        self.allreduce_grad_dtype = allreduce_grad_dtype
+        self.backend_name = backend
+        self.backend = None
+
+        self.target = None
+        self.link_hook = taps.OverlapLinkHook(self)
+        self.hooked_links = weakref.WeakSet()
+        self.name_by_pid = {}
+        # Layout (None until the first update broadcasts it).
+        self.buckets = None
+        self.infos = []
+        self.info_by_pid = {}
+        self.array_lookup = {}
+        self.structure = None
+        # Current iteration.
+        self.next_post = 0
+        self.control = None
+        self.backward_started = False
+        self.observed = []
+        self.observed_set = set()
+        self.local_changed = False
+        self.loaded = False
+        self.no_sync_depth = 0
+        self.swaps = {}
+        # Updates of the last closed iteration not applied yet.
+        self.pending_count = 0
+        self.hyperparams = None
+        self.warned_fallback = False
+
+    # ------------------------------------------------------------------
+    # Set-up
+
+    def attach(self, target):
+        if self.backend is None:
+            self.backend = backends.get_backend(self.backend_name)(
+                self.mpi_comm)
+        self.target = target
+        self._hook_links()
+        taps.install_param_use_hook(self)
+        _autosync.register(target, self)
+
+    def detach(self):
+        self.synchronize()
+        for link in list(self.hooked_links):
+            if self.link_hook.name in link.local_link_hooks:
+                link.delete_hook(self.link_hook.name)
+        self.hooked_links = weakref.WeakSet()
+        taps.uninstall_param_use_hook(self)
+        if self.target is not None:
+            _autosync.unregister(self.target)
+        self.target = None
+        self.buckets = None
+        self.infos = []
+        self.info_by_pid = {}
+        self.array_lookup = {}
+
+    def close(self):
+        if self.target is not None:
+            self.detach()
+        if self.backend is not None:
+            self.backend.close()
+            self.backend = None
+
+    def _hook_links(self):
+        for link in self.target.links():
+            if link in self.hooked_links or not link._params:
+                continue
+            hooks = link.local_link_hooks
+            if self.link_hook.name in hooks:
+                if hooks[self.link_hook.name] is not self.link_hook:
+                    raise ValueError(
+                        'link {} is already managed by another overlapped '
+                        'optimizer; a link can be set up with only one.'
+                        .format(type(link).__name__))
+            else:
+                link.add_hook(self.link_hook)
+            self.hooked_links.add(link)
+        self.name_by_pid = {id(p): n for n, p in self.target.namedparams()}
+        _autosync.register(self.target, self)
+
+    # ------------------------------------------------------------------
+    # Events from the hooks
+
+    def _real_params(self, link):
+        stack = self.swaps.get(id(link))
+        d = link.__dict__
+        if stack:
+            base = stack[0][1]
+            return [(n, base.get(n, d[n])) for n in link._params]
+        return [(n, d[n]) for n in link._params]
+
+    def before_forward(self, link, args, kwargs):
+        if link not in self.hooked_links:
+            return
+        taps.ensure_param_use_hook()
+        params = self._real_params(link)
+        if self.pending_count:
+            todo = []
+            for _, p in params:
+                info = self.info_by_pid.get(id(p))
+                if info is not None and info.pending:
+                    todo.append(info)
+            if todo:
+                self._apply(todo)
+        if self.no_sync_depth:
+            return
+        cfg = chainer.config
+        recomputing = cfg.in_recomputing
+        will_recompute = cfg._will_recompute
+        if not (cfg.enable_backprop or will_recompute):
+            return
+        dummy = _first_variable_input(args, kwargs)
+        new = {}
+        for name, p in params:
+            if p.array is None:
+                continue
+            info = self.info_by_pid.get(id(p))
+            if will_recompute and not recomputing:
+                # First pass of F.forget: no graph now, the gradient comes
+                # from the recomputation in backward; count the use once.
+                if info is not None:
+                    self._count_use(info)
+                new[name] = chainer.Variable(p.array.view(),
+                                             requires_grad=False)
+                continue
+            if info is not None and not recomputing:
+                self._count_use(info)
+            tap = taps.GradTap(self, p)
+            inputs = (p,) if dummy is None else (p, dummy)
+            new[name] = tap.apply(inputs)[0]
+        if new:
+            d = link.__dict__
+            saved = {n: d[n] for n in new}
+            self.swaps.setdefault(id(link), []).append((link, saved))
+            d.update(new)
+
+    def after_forward(self, link):
+        stack = self.swaps.get(id(link))
+        if stack:
+            _, saved = stack.pop()
+            link.__dict__.update(saved)
+            if not stack:
+                del self.swaps[id(link)]
+
+    def _restore_all_swaps(self):
+        # A forward that raised never ran its post-hooks.
+        for key, stack in list(self.swaps.items()):
+            while stack:
+                link, saved = stack.pop()
+                link.__dict__.update(saved)
+            del self.swaps[key]
+
+    def _count_use(self, info):
+        if info.bucket.posted:
+            raise RuntimeError(
+                'parameter {} is used in a forward pass after its gradient '
+                'was already sent for reduction in this iteration (rank {}). '
+                'To accumulate gradients over several forward/backward '
+                'passes, run all but the last inside '
+                '`with optimizer.no_sync():`, or call update() after each '
+                'backward.'.format(info.name, self.rank))
+        if info.ready:
+            info.ready = False
+            info.bucket.n_ready -= 1
+        info.expected += 1
+
+    def on_tap(self, param, grad):
+        info = self.info_by_pid.get(id(param))
+        if info is None:
+            if self.buckets is None:
+                name = self.name_by_pid.get(id(param))
+                if name is not None and name not in self.observed_set:
+                    self.observed_set.add(name)
+                    self.observed.append(name)
+            return
+        if not self.backward_started:
+            self._begin_backward()
+        info.fired += 1
+        if info.tainted:
+            return
+        if info.fired > info.expected or info.ready:
+            # More gradient than forward uses (e.g. backward twice over a
+            # retained graph): only the end of the iteration knows.
+            self._taint(info)
+            return
+        if grad is not None:
+            if info.acc is None:
+                prior = info.param.grad
+                info.acc = grad if prior is None else prior + grad
+            else:
+                info.acc = info.acc + grad
+        if info.fired == info.expected:
+            self._pack(info, info.acc)
+            info.acc = None
+            self._try_post()
+
+    def on_raw_use(self, info):
+        if info.pending:
+            self._apply([info])
+        if self.no_sync_depth or self.buckets is None:
+            return
+        cfg = chainer.config
+        if cfg.in_recomputing:
+            return
+        if cfg.enable_backprop or cfg._will_recompute:
+            if info.bucket.posted:
+                raise RuntimeError(
+                    'parameter {} is read by {} after its gradient was '
+                    'already sent for reduction in this iteration (rank {}). '
+                    'Run extra forward/backward passes inside '
+                    '`with optimizer.no_sync():`, or call update() first.'
+                    .format(info.name, 'a function', self.rank))
+            self._taint(info)
+
+    def _taint(self, info):
+        if info.bucket.posted and info.ready:
+            raise RuntimeError(
+                'the gradient of parameter {} changed after it was sent for '
+                'reduction (rank {}); call update() after each backward, or '
+                'accumulate inside `with optimizer.no_sync():`.'
+                .format(info.name, self.rank))
+        if info.ready:
+            info.ready = False
+            info.bucket.n_ready -= 1
+        info.tainted = True
+        info.acc = None
+
+    # ------------------------------------------------------------------
+    # Packing and posting
+
+    def _begin_backward(self):
+        """First tap of the iteration: forward is complete on this rank."""
+        self.backward_started = True
+        self._post_control()
+        # Parameters no tap will reach and nothing else used are final now:
+        # ship them at once instead of holding up their bucket until update().
+        for info in self.infos:
+            if info.expected == 0 and not info.tainted and not info.ready:
+                self._pack(info, info.param.grad)
+        self._try_post()
+
+    def _pack(self, info, grad):
+        bucket = info.bucket
+        if bucket.handle is not None:
+            # The buffer still holds last iteration's mean for parameters
+            # whose links have not run yet: apply those updates first.
+            self._flush_bucket(bucket)
+        xp = chainer.backend.get_array_module(info.param.array)
+        bucket.ensure_buffer(xp)
+        slot = bucket.slot(info.index)
+        if grad is None:
+            slot.fill(0)
+        else:
+            slot[...] = grad.reshape(-1)
+        info.ready = True
+        bucket.n_ready += 1
+
+    def _try_post(self):
+        bs = self.buckets
+        while (self.next_post < len(bs)
+               and bs[self.next_post].n_ready == len(bs[self.next_post].params)):
+            self._post(bs[self.next_post])
+            self.next_post += 1
+
+    def _post(self, bucket):
+        self._post_control()
+        bucket.handle = self.backend.allreduce(
+            bucket.buffer, 'sum', label=bucket.label())
+        bucket.posted = True
+        bucket.finalized = False
+
+    def _post_control(self):
+        """First collective of every iteration: did anything change?
+
+        ChainerMN decides locally whether the set of initialised parameters
+        changed; a lazily initialised link used on one rank only would then
+        make ranks disagree and hang.  Reducing the flags first makes the
+        decision global, by construction the same on all ranks.
+        """
+        if self.control is not None:
+            return
+        changed = self.local_changed or self._structure_changed()
+        buf = numpy.array([int(changed), -int(self.loaded)], dtype=numpy.int64)
+        self.control = (buf, self.backend.allreduce(
+            buf, 'max', label='iteration control message'))
+
+    def _local_structure(self):
+        return [(n, p, None if p.array is None else p.shape,
+                 None if p.array is None else str(p.dtype))
+                for n, p in sorted(self.target.namedparams())]
+
+    def _structure_changed(self):
+        if self.structure is None:
+            return True
+        cur = self._local_structure()
+        if len(cur) != len(self.structure):
+            return True
+        for (n1, p1, s1, d1), (n2, p2, s2, d2) in zip(cur, self.structure):
+            if n1 != n2 or p1 is not p2 or s1 != s2 or d1 != d2:
+                return True
+        return False
+
+    # ------------------------------------------------------------------
+    # Closing an iteration (update())
+
+    def close_iteration(self):
+        self._restore_all_swaps()
+        if self.buckets is None:
+            self._relayout(first=True)
+            return
+        self._hook_links()
+        self._post_control()
+        for info in self.infos:
+            if not info.ready:
+                self._pack(info, info.param.grad)
+        self._try_post()
+        assert self.next_post == len(self.buckets)
+        buf, handle = self.control
+        handle.wait()
+        changed, all_loaded = bool(buf[0]), buf[1] == -1
+        if changed:
+            self._relayout(first=False, all_loaded=all_loaded)
+            return
+        self.loaded = False
+        fallback = self._fallback_reason()
+        if self.wait == 'update' or fallback:
+            if fallback and self.wait == 'forward' and not self.warned_fallback:
+                self.warned_fallback = True
+                warnings.warn(
+                    "wait='forward' falls back to waiting in update(): {}. "
+                    'Results are exact, but communication overlaps only '
+                    'with backward.'.format(fallback), FallbackWarning,
+                    stacklevel=4)
+            self._complete_in_update()
+        else:
+            self._defer_updates()
+        self._reset_iteration()
+
+    def _fallback_reason(self):
+        actual = self.actual
+        if not isinstance(actual, optimizer_module.GradientMethod):
+            return '{} is not a GradientMethod'.format(type(actual).__name__)
+        if (type(actual).update is not
+                optimizer_module.GradientMethod.update):
+            return '{} overrides update()'.format(type(actual).__name__)
+        if actual._loss_scaling_is_dynamic:
+            return 'dynamic loss scaling needs every gradient at once'
+        hookable = actual._hookable
+        for hooks in (hookable._pre_update_hooks,
+                      hookable._post_update_hooks):
+            for name, hook in hooks.items():
+                if not getattr(hook, 'call_for_each_param', False):
+                    return ('optimizer hook {!r} ({}) needs every gradient '
+                            'at once'.format(name, type(hook).__name__))
+        return None
+
+    def _wait_bucket(self, bucket):
+        if bucket.handle is not None and not bucket.finalized:
+            try:
+                bucket.handle.wait()
+            except backends.CommunicationError as e:
+                raise RuntimeError('rank {}: {}'.format(self.rank, e)) from e
+            if self.size > 1:
+                bucket.buffer *= bucket.buffer.dtype.type(1.0 / self.size)
+            bucket.finalized = True
+
+    def _mean_grad(self, info):
+        g = info.bucket.slot(info.index).reshape(info.param.shape)
+        if g.dtype != info.param.dtype:
+            g = g.astype(info.param.dtype)
+        return g
+
+    def _complete_in_update(self):
+        """ChainerMN semantics: mean gradients in param.grad, then update."""
+        for bucket in self.buckets:
+            self._wait_bucket(bucket)
+        for info in self.infos:
+            g = self._mean_grad(info)
+            cur = info.param.grad
+            if (cur is not None and cur.shape == g.shape
+                    and cur.dtype == g.dtype):
+                cur[...] = g
+            else:
+                info.param.grad = g.copy()
+        for bucket in self.buckets:
+            bucket.handle = None
+        self.actual.update()
+
+    def _defer_updates(self):
+        actual = self.actual
+        self.hyperparams = actual.hyperparam.get_dict()
+        actual.t += 1
+        for info in self.infos:
+            info.pending = True
+        self.pending_count = len(self.infos)
+        # Parameters outside the layout (never initialised) still go through
+        # their update rule, as GradientMethod.update would do.
+        for n, p in self.target.namedparams():
+            if id(p) not in self.info_by_pid and p.array is None:
+                p.update()
+
+    def _reset_iteration(self):
+        for info in self.infos:
+            info.reset()
+        for bucket in self.buckets:
+            bucket.n_ready = 0
+            bucket.posted = False
+        self.next_post = 0
+        self.control = None
+        self.backward_started = False
+        self.local_changed = False
+        self.array_lookup = {id(i.param.array): i for i in self.infos
+                             if i.param.array is not None}
+
+    # ------------------------------------------------------------------
+    # Applying deferred updates (wait='forward')
+
+    def _apply(self, infos):
+        """Waits for the reductions of ``infos`` and runs their update."""
+        actual = self.actual
+        hookable = actual._hookable
+        pre = list(hookable._pre_update_hooks.values())
+        post = list(hookable._post_update_hooks.values())
+        with _hyperparams(actual.hyperparam, self.hyperparams):
+            for info in infos:
+                if not info.pending:
+                    continue
+                bucket = info.bucket
+                self._wait_bucket(bucket)
+                param = info.param
+                saved = param.grad
+                param.grad = self._mean_grad(info)
+                rule = param.update_rule
+                for hook in pre:
+                    hook(rule, param)
+                param.update()
+                for hook in post:
+                    hook(rule, param)
+                param.grad = saved
+                info.pending = False
+                self.pending_count -= 1
+        for info in infos:
+            b = info.bucket
+            if b.handle is not None and not any(i.pending for i in
+                                                self._bucket_infos(b)):
+                b.handle = None
+
+    def _bucket_infos(self, bucket):
+        return [self.info_by_pid[id(p)] for p in bucket.params]
+
+    def _flush_bucket(self, bucket):
+        pending = [i for i in self._bucket_infos(bucket) if i.pending]
+        if pending:
+            self._apply(pending)
+        else:
+            self._wait_bucket(bucket)
+        bucket.handle = None
+
+    def synchronize(self):
+        """Finishes every posted reduction and applies pending updates."""
+        self._restore_all_swaps()
+        if self.buckets is None:
+            return
+        if self.control is not None:
+            self.control[1].wait()
+        for bucket in self.buckets:
+            if bucket.posted:
+                # Posted in the open iteration: let it finish, keep result.
+                bucket.handle.wait()
+            elif bucket.handle is not None:
+                self._flush_bucket(bucket)
+
+    def mark_loaded(self):
+        """Parameters were deserialized: broadcast them at the next update.
+
+        The step after a resume is not skipped when every rank loaded, so a
+        resumed run equals an uninterrupted one.
+        """
+        self.loaded = True
+        self.local_changed = True
+
+    # ------------------------------------------------------------------
+    # (Re)building the layout: blocking, on every rank at the same point
+
+    def _relayout(self, first, all_loaded=None):
+        comm = self.mpi_comm
+        if self.buckets is not None:
+            for bucket in self.buckets:
+                if bucket.handle is not None:
+                    bucket.handle.wait()
+                    bucket.handle = None
+        self._hook_links()
+        named = sorted(self.target.namedparams())
+        mine = {n: ([list(p.shape), str(p.dtype)] if p.array is not None
+                    else [None, None]) for n, p in named}
+        gathered = _allgather_json(
+            comm, {'params': mine, 'loaded': bool(self.loaded),
+                   'order': self.observed})
+        self._check_same_model(named, gathered)
+        if all_loaded is None:
+            all_loaded = all(g['loaded'] for g in gathered)
+
+        # Initialise what other ranks initialised (a lazily initialised link
+        # that ran on some ranks only), then broadcast every parameter from
+        # the lowest rank that has it (rank 0 whenever it does).
+        for n, p in named:
+            owners = [r for r, g in enumerate(gathered)
+                      if g['params'][n][0] is not None]
+            if not owners:
+                continue
+            if p.array is None:
+                shape, dtype = gathered[owners[0]]['params'][n]
+                p.initialize(tuple(shape))
+                if str(p.dtype) != dtype:
+                    raise ValueError(
+                        'parameter {} initialises as {} on rank {} but as {} '
+                        'on rank {}; give its initializer an explicit dtype.'
+                        .format(n, p.dtype, self.rank, dtype, owners[0]))
+            _bcast_array(comm, p.array, root=owners[0])
+
+        # The layout: rank 0's observed gradient order (backward order),
+        # then the rest in reverse name order; broadcast so it is identical.
+        if self.rank == 0:
+            order = [n for n in gathered[0]['order'] if n in mine]
+            seen = set(order)
+            order += [n for n, _ in reversed(named) if n not in seen]
+            sizes = {n: p.size for n, p in named if p.array is not None}
+            dtypes = {n: str(p.dtype) for n, p in named if p.array is not None}
+            entries = [(n, sizes[n], dtypes[n]) for n in order if n in sizes]
+            plan = [[str(b.dtype), [list(e) for e in b.entries]]
+                    for b in buckets_module.plan_buckets(
+                        entries, self.bucket_size, self.allreduce_grad_dtype)]
+        else:
+            plan = None
+        plan = _bcast_json(comm, plan)
+        by_name = dict(named)
+        self.buckets, self.infos, self.info_by_pid = [], [], {}
+        for index, (dtype, entries) in enumerate(plan):
+            bplan = buckets_module.BucketPlan(
+                numpy.dtype(dtype), tuple(tuple(e) for e in entries),
+                sum(e[2] for e in entries))
+            params = [by_name[e[0]] for e in entries]
+            bucket = buckets_module.Bucket(index, bplan, params)
+            self.buckets.append(bucket)
+            for i, (name, p) in enumerate(zip(bucket.names, params)):
+                info = _ParamInfo(name, p, bucket, i)
+                self.infos.append(info)
+                self.info_by_pid[id(p)] = info
+        self.structure = self._local_structure()
+        self.observed, self.observed_set = [], set()
+        self.pending_count = 0
+        self.loaded = False
+        self._reset_iteration()
+
+        if all_loaded:
+            # Resumed on every rank: this step's gradients are valid.
+            for info in self.infos:
+                self._pack(info, info.param.grad)
+            self._try_post()
+            self._complete_in_update()
+            self._reset_iteration()
+        # Otherwise the step is skipped, as ChainerMN does after a broadcast.
+
+    def _check_same_model(self, named, gathered):
+        names0 = sorted(gathered[0]['params'])
+        for r, g in enumerate(gathered):
+            names = sorted(g['params'])
+            if names != names0:
+                extra = sorted(set(names) - set(names0))
+                missing = sorted(set(names0) - set(names))
+                raise ValueError(
+                    'the model differs between ranks: rank {} has parameters '
+                    '{} that rank 0 lacks and lacks {} (seen on rank {}). '
+                    'Every rank must build the same model before '
+                    'create_overlapped_optimizer(...).setup(model).'.format(
+                        r, extra[:5], missing[:5], self.rank))
+        for n, _ in named:
+            seen = {}
+            for r, g in enumerate(gathered):
+                shape, dtype = g['params'][n]
+                if shape is not None:
+                    seen.setdefault((tuple(shape), dtype), r)
+            if len(seen) > 1:
+                desc = '; '.join('rank {}: {}'.format(r, _describe(k))
+                                 for k, r in seen.items())
+                raise ValueError(
+                    'parameter {} differs between ranks ({}) (seen on rank '
+                    '{}). Every rank must build the same model.'.format(
+                        n, desc, self.rank))
+
+
+def _first_variable_input(args, kwargs):
+    return taps._first_variable(args, kwargs)
+
+
+@contextlib.contextmanager
+def _hyperparams(hp, snapshot):
+    """Applies hyperparameters as they were when the iteration closed.
+
+    Extensions (learning-rate schedules) change them after update(); the
+    deferred update must still use the values of its own iteration.
+    """
+    if not snapshot:
+        yield
+        return
+    changed = {}
+    for k, v in snapshot.items():
+        cur = getattr(hp, k, None)
+        if cur is not v and cur != v:
+            changed[k] = cur
+            setattr(hp, k, v)
+    try:
+        yield
+    finally:
+        for k, v in changed.items():
+            setattr(hp, k, v)
+
+
+class _OverlappedOptimizer(object):
+    """Wraps an optimizer; see :func:`create_overlapped_optimizer`."""
+
+    def __init__(self, state):
+        object.__setattr__(self, '_overlap', state)
+
+    @property
+    def actual_optimizer(self):
+        return self._overlap.actual
+
+    @property
+    def communicator(self):
+        return self._overlap.communicator
+
+    def setup(self, link):
+        """Sets up the actual optimizer and hooks ``link``; returns self."""
+        st = self._overlap
+        if not isinstance(link, chainer.Link):
+            raise TypeError('setup() expects a chainer.Link, got {}'
+                            .format(type(link).__name__))
+        if st.target is not None:
+            st.detach()
+        st.actual.setup(link)
+        st.attach(link)
+        return self
+
+    def update(self, lossfun=None, *args, **kwds):
+        """Like ``chainermn``'s multi-node optimizer's ``update``."""
+        st = self._overlap
+        if st.target is None:
+            raise RuntimeError(
+                'update() was called before setup(); call '
+                'optimizer.setup(model) first (on every rank).')
+        if lossfun is not None:
+            use_cleargrads = getattr(st.actual, '_use_cleargrads', True)
+            loss = lossfun(*args, **kwds)
+            if use_cleargrads:
+                st.target.cleargrads()
+            else:
+                st.target.zerograds()
+            loss.backward(loss_scale=st.actual._loss_scale)
+            del loss
+        st.close_iteration()
+
+    def synchronize(self):
+        """Finishes every pending reduction and applies pending updates.
+
+        Afterwards the parameters are exactly those a blocking optimizer
+        would hold.  Called automatically when parameters are read through
+        Chainer (serialization, copies, device moves; each link's forward
+        applies its own pending update).
+        """
+        self._overlap.synchronize()
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Forward/backward passes inside accumulate gradients locally.
+
+        For gradient accumulation: run all micro-batches but the last inside
+        this context, then the last one and ``update()`` outside.
+        """
+        st = self._overlap
+        st.no_sync_depth += 1
+        try:
+            yield
+        finally:
+            st.no_sync_depth -= 1
+
+    def serialize(self, serializer):
+        st = self._overlap
+        st.synchronize()
+        st.actual.serialize(serializer)
+        if isinstance(serializer, chainer.serializer.Deserializer):
+            st.mark_loaded()
+
+    def close(self):
+        """Releases the communication thread and the hooks."""
+        self._overlap.close()
+
+    def __getattr__(self, name):
+        return getattr(self._overlap.actual, name)
+
+    def __setattr__(self, name, value):
+        setattr(self._overlap.actual, name, value)
+
+
+def create_overlapped_optimizer(actual_optimizer, communicator,
+                                wait='forward', bucket_size=None,
+                                zero_fill=True, allreduce_grad_dtype=None,
+                                backend='mpi_thread'):
+    """Creates a multi-node optimizer that overlaps reduction with compute.
+
+    A drop-in for :func:`chainermn.create_multi_node_optimizer`: gradients
+    are averaged over all ranks and results equal the blocking optimizer's
+    to floating-point tolerance (never stale).  During backward each
+    parameter joins a fusion bucket as soon as its gradient is final, and a
+    complete bucket is reduced at once in the background.
+
+    Args:
+        actual_optimizer (chainer.Optimizer): the optimizer to wrap.
+        communicator: a ChainerMN communicator
+            (``chainermn.create_communicator(...)``).
+        wait (str): ``'forward'`` (default): each link waits for its own
+            reduction and applies its update just before its next forward,
+            so communication also overlaps the next forward.  ``'update'``:
+            ``update()`` waits for all reductions and runs the actual
+            optimizer (overlap with backward only, ChainerMN's state after
+            every ``update()``).
+        bucket_size (int or str): fusion bucket size, in bytes or as a
+            string such as ``'25MB'``.  Default 16 MiB.
+        zero_fill (bool): accepted for compatibility.  Missing gradients
+            always count as zeros: it is the only rule that keeps every
+            rank's collectives matched, and it equals ChainerMN's result
+            wherever ChainerMN's does not hang.
+        allreduce_grad_dtype: dtype of gradients on the wire (e.g.
+            ``numpy.float16`` halves traffic; updates still run in the
+            parameters' dtype).  Default: the parameter's dtype (float32 for
+            float16 parameters).
+        backend (str): communication engine; ``'mpi_thread'`` (a
+            communication thread on a duplicated communicator).
+
+    Returns:
+        The wrapped optimizer.  Attribute access goes to the actual
+        optimizer.
+    """
+    if not isinstance(communicator,
+                      chainermn.communicators.CommunicatorBase):
+        raise TypeError(
+            'create_overlapped_optimizer needs a ChainerMN communicator, '
+            'e.g. chainermn.create_communicator("naive"); got {}.'
+            .format(type(communicator).__name__))
+    if getattr(communicator, 'mpi_comm', None) is None:
+        raise TypeError(
+            '{} has no mpi_comm; use an MPI-based ChainerMN communicator '
+            '(naive, flat, non_cuda_aware, pure_nccl).'
+            .format(type(communicator).__name__))
+    if not isinstance(actual_optimizer, chainer.Optimizer):
+        raise TypeError(
+            'actual_optimizer must be a chainer.Optimizer such as '
+            'chainer.optimizers.MomentumSGD(); got {}.'
+            .format(type(actual_optimizer).__name__))
+    if wait not in ('forward', 'update'):
+        raise ValueError("wait must be 'forward' or 'update', got {!r}"
+                         .format(wait))
+    bucket_size = (DEFAULT_BUCKET_SIZE if bucket_size is None
+                   else parse_size(bucket_size))
+    if allreduce_grad_dtype is not None:
+        dt = numpy.dtype(allreduce_grad_dtype)
+        if dt not in (numpy.float16, numpy.float32, numpy.float64):
+            raise ValueError(
+                'allreduce_grad_dtype must be float16, float32 or float64, '
+                'got {}'.format(dt))
+        allreduce_grad_dtype = dt
+    backends.get_backend(backend)
+    state = _OverlapState(actual_optimizer, communicator, wait, bucket_size,
+                          zero_fill, allreduce_grad_dtype, backend)
+    return _OverlappedOptimizer(state)

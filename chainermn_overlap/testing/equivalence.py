@@ -1,0 +1,373 @@
+"""Equivalence harness for MPI tests of multi-node optimizers.
+
+A test trains the same model on the same per-rank data twice -- once with
+ChainerMN's blocking ``create_multi_node_optimizer`` (the reference) and once
+with the implementation under test -- and compares the parameters afterwards.
+Everything here is collective: call it on every rank in the same order.
+
+The implementation under test is chosen by the environment variable
+``CHAINERMN_OVERLAP_TEST_OPTIMIZER``:
+
+- ``overlap`` (default): ``chainermn_overlap.create_overlapped_optimizer``;
+- ``chainermn``: ChainerMN's own optimizer plugged in place of ours, which
+  validates the harness itself (every equivalence must then hold trivially,
+  and the checks that only our optimizer satisfies are inverted or skipped).
+
+Typical use::
+
+    impl = equivalence.implementation_under_test()
+    ref, got = equivalence.train_both(impl, template, make_actual, step,
+                                      steps=5, wait='forward')
+    equivalence.assert_equivalent(got.model, ref.model, rtol=1e-5, atol=1e-6)
+"""
+import contextlib
+import copy
+import os
+import warnings
+
+import numpy as np
+
+import chainer
+import chainermn
+
+ENV_VAR = 'CHAINERMN_OVERLAP_TEST_OPTIMIZER'
+
+_comm = None
+
+
+def get_communicator():
+    """The session-wide ChainerMN communicator (created once, collectively)."""
+    global _comm
+    if _comm is None:
+        _comm = chainermn.create_communicator('naive')
+    return _comm
+
+
+# ---------------------------------------------------------------------------
+# Implementations: a tiny adapter so that tests can plug either optimizer.
+# ---------------------------------------------------------------------------
+
+class ChainerMNImpl(object):
+    """ChainerMN's blocking optimizer behind the adapter interface.
+
+    ``wait`` and the other options of ours are accepted and ignored (except
+    ``zero_fill``), so the same test code runs against either implementation.
+    """
+
+    name = 'chainermn'
+    is_reference = True
+    # ChainerMN's wrapper forgets the parameter set when it is rebuilt from a
+    # snapshot, so its first update after a resume broadcasts and is skipped.
+    resume_skips = True
+    fallback_warning = None
+
+    def create(self, actual, comm, wait='forward', **options):
+        zero_fill = options.get('zero_fill', True)
+        return chainermn.create_multi_node_optimizer(actual, comm,
+                                                     zero_fill=zero_fill)
+
+    def synchronize(self, opt):
+        pass
+
+    def no_sync(self, opt):
+        # ChainerMN communicates only inside update(), so accumulating
+        # several backward passes before update() is already local.
+        return contextlib.nullcontext()
+
+
+class OverlappedImpl(object):
+    """``chainermn_overlap.create_overlapped_optimizer``."""
+
+    name = 'overlap'
+    is_reference = False
+    resume_skips = False
+
+    def __init__(self):
+        import chainermn_overlap
+        if not hasattr(chainermn_overlap, 'create_overlapped_optimizer'):
+            raise RuntimeError(
+                'chainermn_overlap.create_overlapped_optimizer does not exist '
+                '(yet). Set %s=chainermn to run these tests against '
+                "ChainerMN's optimizer, which validates the harness."
+                % ENV_VAR)
+        self._module = chainermn_overlap
+
+    @property
+    def fallback_warning(self):
+        return self._module.FallbackWarning
+
+    def create(self, actual, comm, wait='forward', **options):
+        return self._module.create_overlapped_optimizer(
+            actual, comm, wait=wait, **options)
+
+    def synchronize(self, opt):
+        opt.synchronize()
+
+    def no_sync(self, opt):
+        return opt.no_sync()
+
+
+REFERENCE = ChainerMNImpl()
+
+
+def implementation_under_test():
+    """The adapter selected by ``CHAINERMN_OVERLAP_TEST_OPTIMIZER``."""
+    which = os.environ.get(ENV_VAR, 'overlap')
+    if which == 'chainermn':
+        return ChainerMNImpl()
+    if which == 'overlap':
+        return OverlappedImpl()
+    raise ValueError('%s must be "overlap" or "chainermn", not %r'
+                     % (ENV_VAR, which))
+
+
+# ---------------------------------------------------------------------------
+# Data: rank-dependent slices of a global batch drawn from a fixed seed.
+# ---------------------------------------------------------------------------
+
+def global_rng(seed):
+    return np.random.RandomState(seed)
+
+
+def rank_slice(array, comm=None, axis=1):
+    """This rank's contiguous share of ``array`` along ``axis``.
+
+    ``array.shape[axis]`` must be a multiple of the number of ranks.
+    """
+    comm = comm or get_communicator()
+    n = array.shape[axis]
+    assert n % comm.size == 0, (n, comm.size)
+    b = n // comm.size
+    index = [slice(None)] * array.ndim
+    index[axis] = slice(comm.rank * b, (comm.rank + 1) * b)
+    return array[tuple(index)]
+
+
+def make_batches(seed, steps, per_rank, x_shape, n_classes=None,
+                 y_shape=None, comm=None):
+    """Per-step ``(x, t)`` pairs: this rank's part of a global batch.
+
+    The global batch of step ``i`` holds ``per_rank * size`` samples drawn
+    from ``RandomState(seed)``; rank ``r`` gets samples ``r*per_rank`` to
+    ``(r+1)*per_rank``.  With ``n_classes`` the targets are int32 labels,
+    otherwise float32 regression targets of ``y_shape``.
+    """
+    comm = comm or get_communicator()
+    rng = global_rng(seed)
+    n = per_rank * comm.size
+    xs = rng.standard_normal((steps, n) + tuple(x_shape)).astype(np.float32)
+    if n_classes is not None:
+        ts = rng.randint(0, n_classes, size=(steps, n)).astype(np.int32)
+    else:
+        ts = rng.standard_normal(
+            (steps, n) + tuple(y_shape)).astype(np.float32)
+    xs = rank_slice(xs, comm)
+    ts = rank_slice(ts, comm)
+    return [(xs[i], ts[i]) for i in range(steps)]
+
+
+def seed_for_rank(seed, comm=None):
+    """Seed ``numpy.random`` differently on each rank.
+
+    Model initialisation may differ between ranks (realistic: the first
+    update broadcasts rank 0's parameters), but must be the same in both
+    runs being compared; reseeding before each run makes lazily initialised
+    links draw the same values in both.
+    """
+    comm = comm or get_communicator()
+    np.random.seed(seed * 1009 + comm.rank)
+
+
+# ---------------------------------------------------------------------------
+# Training runs.
+# ---------------------------------------------------------------------------
+
+class Run(object):
+    """Result of one training run."""
+
+    def __init__(self, model, opt, impl, caught):
+        self.model = model
+        self.opt = opt
+        self.impl = impl
+        self.warnings = caught
+
+    def count_warnings(self, category):
+        if category is None:
+            return 0
+        return sum(1 for w in self.warnings
+                   if issubclass(w.category, category))
+
+
+def train(impl, template, make_actual, step, steps, wait='forward',
+          options=None, hooks=None, seed=0, synchronize=True, comm=None):
+    """Train a deep copy of ``template`` for ``steps`` iterations.
+
+    Args:
+        impl: implementation adapter (``REFERENCE`` or the one under test).
+        template (chainer.Link): copied, never trained itself.
+        make_actual (callable): returns a fresh actual optimizer.
+        step (callable): ``step(model, opt, iteration, impl)`` runs one
+            training iteration (forward, backward, update).
+        steps (int): number of iterations.
+        wait (str): ``'forward'`` or ``'update'`` (ignored by ChainerMN).
+        options (dict): further options for the overlapped optimizer.
+        hooks (callable): returns a list of optimizer hooks, added through
+            the wrapper after ``setup`` (as a ChainerMN user does).
+        seed (int): seeds ``numpy.random`` per rank before the run.
+        synchronize (bool): call ``synchronize()`` at the end.
+
+    Returns:
+        Run: the model, the wrapper and every warning emitted in the run.
+    """
+    comm = comm or get_communicator()
+    model = copy.deepcopy(template)
+    seed_for_rank(seed, comm)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter('always')
+        opt = impl.create(make_actual(), comm, wait=wait, **(options or {}))
+        ret = opt.setup(model)
+        assert ret is opt, 'setup() must return the wrapper'
+        for hook in (hooks() if hooks is not None else ()):
+            opt.add_hook(hook)
+        for it in range(steps):
+            step(model, opt, it, impl)
+        if synchronize:
+            impl.synchronize(opt)
+    return Run(model, opt, impl, list(caught))
+
+
+def train_both(impl, template, make_actual, step, steps, wait='forward',
+               options=None, hooks=None, seed=0):
+    """Train with ChainerMN (reference) and with ``impl``; returns both."""
+    ref = train(REFERENCE, template, make_actual, step, steps, wait,
+                None, hooks, seed)
+    got = train(impl, template, make_actual, step, steps, wait,
+                options, hooks, seed)
+    return ref, got
+
+
+# ---------------------------------------------------------------------------
+# Comparisons.  Every assertion is made consistent across ranks: each rank
+# contributes (ok, message) through an allgather and all ranks raise if any
+# rank failed, so a failure on one rank cannot leave the others waiting in
+# the next collective.
+# ---------------------------------------------------------------------------
+
+def param_state(link, persistents=True):
+    """``{name: array copy}`` for the parameters (and persistents) of link."""
+    state = {}
+    for name, param in link.namedparams():
+        arr = param.array
+        state['param ' + name] = None if arr is None else np.array(arr)
+    if persistents:
+        for path, sub in link.namedlinks():
+            for pname in sorted(sub._persistent):
+                value = sub.__dict__[pname]
+                if isinstance(value, (np.ndarray, int, float, np.number)):
+                    name = path.rstrip('/') + '/' + pname
+                    state['persistent ' + name] = np.array(value)
+    return state
+
+
+def compare_states(got, ref, rtol, atol):
+    """Human-readable differences between two states (empty when equal)."""
+    errors = []
+    for name in sorted(set(got) | set(ref)):
+        if name not in got or name not in ref:
+            errors.append('%s: present only in %s'
+                          % (name, 'ours' if name in got else 'reference'))
+            continue
+        a, b = got[name], ref[name]
+        if a is None or b is None:
+            if not (a is None and b is None):
+                errors.append('%s: initialised in %s only'
+                              % (name, 'ours' if b is None else 'reference'))
+            continue
+        if a.shape != b.shape:
+            errors.append('%s: shape %s != %s' % (name, a.shape, b.shape))
+            continue
+        if not np.allclose(a, b, rtol=rtol, atol=atol):
+            diff = np.abs(a.astype(np.float64) - b)
+            bound = atol + rtol * np.abs(b.astype(np.float64))
+            i = np.unravel_index(np.argmax(diff - bound), diff.shape)
+            errors.append('%s: max |diff| %.3g (at %s: %r vs %r), %d of %d '
+                          'elements beyond rtol=%g atol=%g'
+                          % (name, diff.max(), i, a[i], b[i],
+                             int((diff > bound).sum()), a.size, rtol, atol))
+    return errors
+
+
+def all_ranks_ok(ok, message='', comm=None):
+    """Allgather a pass/fail flag; returns ``(all_ok, report)``."""
+    comm = comm or get_communicator()
+    results = comm.mpi_comm.allgather((bool(ok), message))
+    report = '\n'.join('rank %d: %s' % (r, m)
+                       for r, (o, m) in enumerate(results) if not o)
+    return all(o for o, _ in results), report
+
+
+def assert_all_ranks(ok, message='', comm=None):
+    """Raise AssertionError on every rank if ``ok`` is false on any rank."""
+    all_ok, report = all_ranks_ok(ok, message, comm)
+    if not all_ok:
+        raise AssertionError(report)
+
+
+def cross_rank_errors(link, comm=None):
+    """Differences of ``link``'s parameters from rank 0's (must be exact).
+
+    All ranks apply the same update rule to the same all-reduced gradient,
+    and MPI's allreduce hands every rank the same bits, so parameters must
+    be bit-identical across ranks (persistents such as BatchNormalization's
+    running statistics legitimately differ and are not compared).
+    """
+    comm = comm or get_communicator()
+    mine = param_state(link, persistents=False)
+    root = comm.mpi_comm.bcast(mine if comm.rank == 0 else None, root=0)
+    errors = []
+    for name in sorted(set(mine) | set(root)):
+        a, b = mine.get(name), root.get(name)
+        if (a is None) != (b is None):
+            errors.append('%s: initialised on one rank only' % name)
+        elif a is not None and (a.shape != b.shape or
+                                not np.array_equal(a, b)):
+            errors.append('%s differs from rank 0 (max |diff| %s)'
+                          % (name, 'shape' if a.shape != b.shape
+                             else '%.3g' % np.abs(a - b).max()))
+    return errors
+
+
+def assert_equivalent(got, ref, rtol, atol, persistents=True, comm=None,
+                      what=''):
+    """``got`` equals ``ref`` on every rank and is identical across ranks.
+
+    Args:
+        got, ref (chainer.Link or dict): models or ``param_state`` dicts.
+    """
+    comm = comm or get_communicator()
+    a = got if isinstance(got, dict) else param_state(got, persistents)
+    b = ref if isinstance(ref, dict) else param_state(ref, persistents)
+    errors = compare_states(a, b, rtol, atol)
+    if isinstance(got, chainer.Link):
+        errors += ['across ranks: ' + e for e in cross_rank_errors(got, comm)]
+    prefix = (what + ': ') if what else ''
+    assert_all_ranks(not errors, prefix + '; '.join(errors[:8]), comm)
+
+
+def assert_different(got, ref, rtol, atol, comm=None, what=''):
+    """Negative control: ``got`` and ``ref`` differ beyond the tolerance."""
+    comm = comm or get_communicator()
+    a = got if isinstance(got, dict) else param_state(got, False)
+    b = ref if isinstance(ref, dict) else param_state(ref, False)
+    errors = compare_states(a, b, rtol, atol)
+    prefix = (what + ': ') if what else ''
+    assert_all_ranks(bool(errors), prefix + 'expected a difference beyond '
+                     'rtol=%g atol=%g, found none' % (rtol, atol), comm)
+
+
+def assert_same_value(value, what, comm=None):
+    """A Python value is equal on every rank (e.g. ``opt.t``)."""
+    comm = comm or get_communicator()
+    values = comm.mpi_comm.allgather(value)
+    assert_all_ranks(all(v == values[0] for v in values),
+                     '%s differs across ranks: %r' % (what, values), comm)
