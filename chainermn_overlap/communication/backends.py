@@ -12,6 +12,7 @@ the way communication hooks or array backends are registered elsewhere.
 import atexit
 import queue
 import threading
+import time
 import weakref
 
 import numpy
@@ -52,13 +53,20 @@ class CommunicationError(RuntimeError):
 class Handle(object):
     """Completion handle of one posted reduction."""
 
-    __slots__ = ('label', '_event', 'error', '_finish')
+    __slots__ = ('label', '_event', 'error', '_finish', 'nbytes',
+                 'posted_at', 'started_at', 'finished_at')
 
-    def __init__(self, label, finish=None):
+    def __init__(self, label, finish=None, nbytes=0):
         self.label = label
         self._event = threading.Event()
         self.error = None
         self._finish = finish
+        self.nbytes = nbytes
+        # time.perf_counter() stamps: posted (caller), started and finished
+        # (progress engine).  Used for overlap statistics and timelines.
+        self.posted_at = time.perf_counter()
+        self.started_at = None
+        self.finished_at = None
 
     def done(self):
         return self._event.is_set()
@@ -152,7 +160,7 @@ class MpiThreadBackend(CommunicationBackend):
 
             def finish(dev=array, host=host):
                 dev[...] = xp.asarray(host)
-        handle = Handle(label, finish)
+        handle = Handle(label, finish, nbytes=array.nbytes)
         self._queue.put((host, op, handle))
         return handle
 
@@ -163,6 +171,7 @@ class MpiThreadBackend(CommunicationBackend):
             if item is None:
                 return
             buf, op, handle = item
+            handle.started_at = time.perf_counter()
             if self._failed is not None:
                 handle.error = RuntimeError(
                     'not attempted: an earlier reduction on rank {} failed '
@@ -174,6 +183,7 @@ class MpiThreadBackend(CommunicationBackend):
                     self._failed = e
                     handle.error = RuntimeError(
                         'rank {}: {}'.format(self.rank, e))
+            handle.finished_at = time.perf_counter()
             handle._event.set()
 
     def close(self):

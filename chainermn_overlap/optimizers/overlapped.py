@@ -21,6 +21,7 @@ communication itself is behind :mod:`chainermn_overlap.communication`.
 import contextlib
 import json
 import re
+import time
 import warnings
 import weakref
 
@@ -108,6 +109,40 @@ def _describe(sig):
 
 # ----------------------------------------------------------------------------
 
+class CommunicationStats(object):
+    """Counters of gradient communication, for users and benchmarks.
+
+    ``comm_seconds`` is the time the progress engine spent reducing buckets;
+    ``wait_seconds`` the time training was blocked waiting for them.  The
+    fraction of communication hidden behind computation is
+    ``1 - wait_seconds / comm_seconds``.
+    """
+
+    def __init__(self):
+        self.reset()
+
+    def reset(self):
+        self.buckets = 0
+        self.bytes = 0
+        self.comm_seconds = 0.0
+        self.wait_seconds = 0.0
+
+    def record(self, handle, waited):
+        self.buckets += 1
+        self.bytes += handle.nbytes
+        if handle.started_at is not None and handle.finished_at is not None:
+            self.comm_seconds += handle.finished_at - handle.started_at
+        self.wait_seconds += waited
+
+    def as_dict(self):
+        hidden = (1.0 - self.wait_seconds / self.comm_seconds
+                  if self.comm_seconds > 0 else None)
+        return {'buckets': self.buckets, 'bytes': self.bytes,
+                'comm_seconds': self.comm_seconds,
+                'wait_seconds': self.wait_seconds,
+                'hidden_fraction': hidden}
+
+
 class _ParamInfo(object):
     """Per-parameter state of the current iteration and the pending update."""
 
@@ -171,6 +206,7 @@ class _OverlapState(object):
         self.pending_count = 0
         self.hyperparams = None
         self.warned_fallback = False
+        self.stats = CommunicationStats()
 
     # ------------------------------------------------------------------
     # Set-up
@@ -501,10 +537,13 @@ class _OverlapState(object):
 
     def _wait_bucket(self, bucket):
         if bucket.handle is not None and not bucket.finalized:
+            handle = bucket.handle
+            t0 = time.perf_counter()
             try:
-                bucket.handle.wait()
+                handle.wait()
             except backends.CommunicationError as e:
                 raise RuntimeError('rank {}: {}'.format(self.rank, e)) from e
+            self.stats.record(handle, time.perf_counter() - t0)
             if self.size > 1:
                 bucket.buffer *= bucket.buffer.dtype.type(1.0 / self.size)
             bucket.finalized = True
@@ -839,6 +878,20 @@ class _OverlappedOptimizer(object):
     def close(self):
         """Releases the communication thread and the hooks."""
         self._overlap.close()
+
+    def communication_stats(self, reset=False):
+        """Gradient communication counters since setup (or the last reset).
+
+        Returns:
+            dict: ``buckets``, ``bytes``, ``comm_seconds`` (time spent
+            reducing), ``wait_seconds`` (time training waited for
+            reductions) and ``hidden_fraction`` (``1 - wait/comm``).
+        """
+        stats = self._overlap.stats
+        out = stats.as_dict()
+        if reset:
+            stats.reset()
+        return out
 
     def __getattr__(self, name):
         return getattr(self._overlap.actual, name)
