@@ -11,7 +11,7 @@ export PIP_BUILD_CONSTRAINT := $(CURDIR)/constraints.txt
 export OMP_NUM_THREADS ?= 1
 export OPENBLAS_NUM_THREADS ?= 1
 export MKL_NUM_THREADS ?= 1
-NP_LIST ?= 1 2 4
+NP_LIST ?= 1 2 3 4
 TEST_TIMEOUT ?= 1200
 
 .PHONY: venv demo test test-unit test-mpi bench clean

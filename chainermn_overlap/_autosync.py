@@ -51,6 +51,9 @@ def _wrap_reader(fn):
     @functools.wraps(fn)
     def wrapper(self, *args, **kwargs):
         _sync(self)
+        # copyparams(link) reads the other link.
+        if args and isinstance(args[0], link_module.Link):
+            _sync(args[0])
         return fn(self, *args, **kwargs)
     wrapper.__chainermn_overlap__ = True
     return wrapper

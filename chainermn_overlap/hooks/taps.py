@@ -35,12 +35,24 @@ class GradTap(function_node.FunctionNode):
         # parameter array, which is how uses outside a link are detected.
         return inputs[0].view(),
 
-    def backward(self, indexes, grad_outputs):
+    def backward_accumulate(self, target_input_indexes, grad_outputs,
+                            grad_inputs):
+        # Chainer hands over what the parameter's gradient holds so far:
+        # its gradient from before this backward plus the contributions of
+        # taps that already fired.  Adding ours gives exactly the value
+        # Chainer will store in ``param.grad`` if no other use follows, so
+        # the sink can ship it bit-identical, with no accumulation of its own.
         gy = grad_outputs[0]
-        self.sink.on_tap(self.param, None if gy is None else gy.array)
-        if len(self.inputs) == 2:
-            return gy, None
-        return gy,
+        out = []
+        total = None
+        for i, g in zip(target_input_indexes, grad_inputs):
+            if i == 0:
+                if gy is not None:
+                    g = gy if g is None else g + gy
+                total = g
+            out.append(g)
+        self.sink.on_tap(self.param, None if total is None else total.array)
+        return tuple(out)
 
 
 def _first_variable(args, kwargs):

@@ -147,7 +147,7 @@ class _ParamInfo(object):
     """Per-parameter state of the current iteration and the pending update."""
 
     __slots__ = ('name', 'param', 'bucket', 'index', 'expected', 'fired',
-                 'acc', 'ready', 'tainted', 'pending')
+                 'ready', 'tainted', 'pending')
 
     def __init__(self, name, param, bucket, index):
         self.name = name
@@ -160,7 +160,6 @@ class _ParamInfo(object):
     def reset(self):
         self.expected = 0   # tapped uses made in forward
         self.fired = 0      # taps that delivered their gradient
-        self.acc = None     # gradient accumulated from taps so far
         self.ready = False  # packed into the bucket; will not change
         self.tainted = False  # used outside its link: final only at close
 
@@ -364,15 +363,11 @@ class _OverlapState(object):
             # retained graph): only the end of the iteration knows.
             self._taint(info)
             return
-        if grad is not None:
-            if info.acc is None:
-                prior = info.param.grad
-                info.acc = grad if prior is None else prior + grad
-            else:
-                info.acc = info.acc + grad
         if info.fired == info.expected:
-            self._pack(info, info.acc)
-            info.acc = None
+            # ``grad`` is the parameter's whole gradient so far (see
+            # GradTap.backward_accumulate): with every use accounted for,
+            # it is final.
+            self._pack(info, grad)
             self._try_post()
 
     def on_raw_use(self, info):
@@ -404,7 +399,6 @@ class _OverlapState(object):
             info.ready = False
             info.bucket.n_ready -= 1
         info.tainted = True
-        info.acc = None
 
     # ------------------------------------------------------------------
     # Packing and posting

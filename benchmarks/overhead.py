@@ -1,0 +1,106 @@
+"""Per-iteration overhead of the overlapped optimizer at one rank.
+
+Run:  python benchmarks/overhead.py [--arch resnet_small|resnet50] [--iterations N]
+
+One process, no communication to hide: this isolates what the wrapper itself
+costs (taps, hooks, packing, the communication thread) against the plain
+actual optimizer and ChainerMN's blocking optimizer, on the same model and
+data, interleaving the variants round by round so that machine noise hits
+all of them alike.  Prints a table and writes benchmarks/results/overhead.json.
+"""
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+
+import chainer
+import chainer.functions as F
+import chainermn
+import numpy as np
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, '..', 'examples', 'imagenet'))
+
+import chainermn_overlap  # NOQA
+from models import resnet50, resnet_small  # NOQA
+
+
+def build(arch, seed):
+    np.random.seed(seed)
+    if arch == 'resnet50':
+        return resnet50.ResNet50()
+    return resnet_small.ResNetSmall()
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument('--arch', default='resnet_small')
+    p.add_argument('--batchsize', type=int, default=16)
+    p.add_argument('--insize', type=int, default=64)
+    p.add_argument('--iterations', type=int, default=12)
+    p.add_argument('--rounds', type=int, default=3)
+    p.add_argument('--out', default=os.path.join(HERE, 'results',
+                                                 'overhead.json'))
+    args = p.parse_args()
+    comm = chainermn.create_communicator('naive')
+    if comm.size != 1:
+        raise SystemExit('run this benchmark on one rank')
+    rng = np.random.RandomState(0)
+    x = rng.rand(args.batchsize, 3, args.insize, args.insize).astype(
+        np.float32)
+    t = rng.randint(0, 1000, args.batchsize).astype(np.int32)
+
+    def lossfun(model):
+        return lambda: F.softmax_cross_entropy(model(x), t)
+
+    variants = {
+        'plain': lambda o: o,
+        'chainermn_blocking':
+            lambda o: chainermn.create_multi_node_optimizer(o, comm),
+        'overlap_forward': lambda o: chainermn_overlap
+            .create_overlapped_optimizer(o, comm, wait='forward'),
+        'overlap_update': lambda o: chainermn_overlap
+            .create_overlapped_optimizer(o, comm, wait='update'),
+    }
+    times = {k: [] for k in variants}
+    for _ in range(args.rounds):
+        for name, make in variants.items():
+            model = build(args.arch, 0)
+            opt = make(chainer.optimizers.MomentumSGD(0.01))
+            opt.setup(model)
+            fn = lossfun(model)
+            for i in range(args.iterations):
+                t0 = time.perf_counter()
+                opt.update(fn)
+                dt = time.perf_counter() - t0
+                if i >= 2:  # first steps: broadcast, allocation
+                    times[name].append(dt)
+            if hasattr(opt, 'close'):
+                opt.close()
+    med = {k: float(np.median(v)) for k, v in times.items()}
+    result = {
+        'benchmark': 'overhead at one rank',
+        'machine': {'platform': platform.platform(),
+                    'processor': platform.processor(),
+                    'cpu_count': os.cpu_count(),
+                    'OMP_NUM_THREADS': os.environ.get('OMP_NUM_THREADS')},
+        'config': vars(args),
+        'median_seconds': med,
+        'min_seconds': {k: float(np.min(v)) for k, v in times.items()},
+        'max_seconds': {k: float(np.max(v)) for k, v in times.items()},
+        'overhead_vs_plain': {k: med[k] / med['plain'] - 1 for k in med},
+    }
+    print('{:<20} {:>10} {:>10}'.format('variant', 'median s', 'vs plain'))
+    for k in variants:
+        print('{:<20} {:>10.4f} {:>+9.1%}'.format(
+            k, med[k], result['overhead_vs_plain'][k]))
+    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    with open(args.out, 'w') as f:
+        json.dump(result, f, indent=2)
+    print('saved', args.out)
+
+
+if __name__ == '__main__':
+    main()

@@ -1,0 +1,10 @@
+"""The ImageNet example's networks, registered by ``--arch`` name."""
+from models.resnet50 import ResNet50
+from models.resnet_small import ResNetSmall
+
+# A registry rather than an if/elif chain, so that adding an architecture is
+# one line here and ``--arch`` lists it automatically.
+ARCHS = {
+    'resnet50': ResNet50,
+    'resnet_small': ResNetSmall,
+}
