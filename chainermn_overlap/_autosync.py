@@ -7,6 +7,10 @@ Chainer code that reads parameters without running the links (serializers,
 see the finished values: those ``Link`` methods are wrapped, once, so that
 they first synchronize the optimizer that manages the link, if any.  Links
 not managed by an overlapped optimizer pay one dictionary lookup.
+
+``cleargrads``/``zerograds`` are wrapped too: they tell the optimizer that a
+parameter's gradient restarts from zero, which is what allows a backward to
+declare it final.
 """
 import functools
 import weakref
@@ -73,6 +77,17 @@ def _wrap_serialize(fn):
     return wrapper
 
 
+def _wrap_cleargrads(fn):
+    @functools.wraps(fn)
+    def wrapper(self):
+        fn(self)
+        state = _REGISTRY.get(self)
+        if state is not None:
+            state.on_cleargrads(self)
+    wrapper.__chainermn_overlap__ = True
+    return wrapper
+
+
 def _getstate(self):
     _sync(self)
     return self.__dict__
@@ -98,6 +113,11 @@ def _install():
             if fn is not None and not hasattr(fn, '__chainermn_overlap__'):
                 setattr(cls, name, _wrap_reader(fn))
                 _PATCHED.append((cls, name, fn))
+    for name in ('cleargrads', 'zerograds'):
+        fn = link_module.Link.__dict__[name]
+        if not hasattr(fn, '__chainermn_overlap__'):
+            setattr(link_module.Link, name, _wrap_cleargrads(fn))
+            _PATCHED.append((link_module.Link, name, fn))
     if '__getstate__' not in link_module.Link.__dict__:
         link_module.Link.__getstate__ = _getstate
         _PATCHED.append((link_module.Link, '__getstate__', None))

@@ -6,12 +6,13 @@ Usage::
 
 Every rank runs the same pytest session (MPI tests are collective: each test
 runs on all ranks at once).  Rank 0 reports to the terminal; the other ranks
-write to ``.mpi-logs/np<N>-rank<R>.log``, which is printed when that rank
-failed.  The exit status is the worst of all ranks; a run that exceeds the
+write to ``.mpi-logs/np<N>-<pid>/rank<R>.log``, which is printed when that rank
+failed (one folder per run, so concurrent runs do not mix).  The exit status is the worst of all ranks; a run that exceeds the
 timeout is killed and reported as a failure instead of hanging CI.
 """
 import argparse
 import os
+import signal
 import subprocess
 import sys
 
@@ -30,29 +31,35 @@ def _launcher(argv):
     else:
         pytest_args = []
     args = parser.parse_args(argv)
-    os.makedirs(LOGDIR, exist_ok=True)
+    logdir = os.path.join(LOGDIR, 'np%d-%d' % (args.n, os.getpid()))
+    os.makedirs(logdir, exist_ok=True)
     mpiexec = os.path.join(os.path.dirname(sys.executable), 'mpiexec')
     cmd = [mpiexec, '-n', str(args.n), sys.executable, os.path.abspath(__file__),
            '--worker', str(args.n)] + pytest_args
     env = dict(os.environ)
     env.setdefault('OMP_NUM_THREADS', '1')
     env.setdefault('OPENBLAS_NUM_THREADS', '1')
+    env['CHAINERMN_OVERLAP_LOGDIR'] = logdir
+    # A session of its own, so that a hung run can be killed whole without
+    # touching other MPI jobs on the machine.
+    proc = subprocess.Popen(cmd, env=env, start_new_session=True)
     try:
-        rc = subprocess.call(cmd, timeout=args.timeout, env=env)
+        return proc.wait(timeout=args.timeout)
     except subprocess.TimeoutExpired:
         sys.stdout.write('mpi_run: timed out after %.0f s at -n %d (a hang '
-                         'or a too slow test); see %s\n'
-                         % (args.timeout, args.n, LOGDIR))
-        subprocess.call(['pkill', '-9', '-f', '--', '--worker %d' % args.n])
+                         'or a too slow test); rank logs in %s\n'
+                         % (args.timeout, args.n, logdir))
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
         return 124
-    return rc
 
 
 def _worker(nprocs, pytest_args):
     from mpi4py import MPI
     world = MPI.COMM_WORLD
     rank = world.Get_rank()
-    log = os.path.join(LOGDIR, 'np%d-rank%d.log' % (nprocs, rank))
+    logdir = os.environ.get('CHAINERMN_OVERLAP_LOGDIR', LOGDIR)
+    log = os.path.join(logdir, 'rank%d.log' % rank)
     if rank != 0:
         fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         os.dup2(fd, 1)
@@ -64,7 +71,7 @@ def _worker(nprocs, pytest_args):
     if rank == 0:
         for r, c in enumerate(codes):
             if c not in (0,) and r != 0:
-                path = os.path.join(LOGDIR, 'np%d-rank%d.log' % (nprocs, r))
+                path = os.path.join(logdir, 'rank%d.log' % r)
                 sys.stdout.write('\n==== rank %d failed (exit %d): %s ====\n'
                                  % (r, c, path))
                 with open(path) as f:

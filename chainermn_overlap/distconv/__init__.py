@@ -9,11 +9,52 @@ Usage::
     h = distconv.max_pooling_2d(grid, F.relu(h), 2)
     feat = distconv.global_average_pooling(grid, h)   # (N_group, C)
 
-Every operation is exact against single-process Chainer on the global batch
-(forward and backward). Element-wise functions (ReLU, dropout, ...) are used
-unchanged on local blocks. See :meth:`SpatialGrid.loss_scale` for how to
-write the loss so that a data-parallel optimizer over the whole
-communicator performs the single-process update.
+Layouts:
+    *Spatial layout* (what the layers take and return): each process holds
+    all samples of its sample group, restricted to its balanced spatial
+    block. *Sample layout*: each process holds whole samples, for layers
+    that need them; move between the two with :func:`to_sample_layout` and
+    :func:`to_spatial_layout` (point-to-point, exact adjoints of each
+    other). Element-wise functions (ReLU, dropout, LRN across channels) are
+    used unchanged on local blocks.
+
+Exactness:
+    Every operation computes this process's block of exactly what
+    single-process Chainer computes on the global batch: it derives the
+    global input box its output block reads (padding included), fetches
+    the parts owned by any other process (:class:`RegionExchange`), and runs
+    the Chainer function without padding on it. Batch normalisation uses
+    the statistics of the whole global batch. Every backward is the exact
+    adjoint (vector-Jacobian product) of its forward.
+
+Training (what a user must do):
+    After ``loss.backward()`` the parameter gradients *summed over all
+    processes* are the gradient of the *sum of the processes' losses*
+    (spatial ranks hold partial sums over their blocks; replicated layers
+    after :func:`global_average_pooling` each hold their copy's gradient,
+    which the pooling's adjoint accounts for). A data-parallel optimizer
+    over the whole communicator (``chainermn.create_multi_node_optimizer``
+    or ``create_overlapped_optimizer``) *averages* gradients, so each
+    process's loss must be ``comm.size`` times its share of the global mean
+    loss; then no further gradient scaling is needed:
+
+    * equal sample groups: the usual per-process mean loss (e.g.
+      ``F.softmax_cross_entropy(y, t_local)``) is right, also when the
+      processes of a group all compute the same replicated loss;
+    * in general (uneven or empty groups, the last mini-batch, sample
+      layout): ``loss = F.sum(per_sample_loss) * grid.loss_scale(n_local)``.
+
+    Because backward is collective, every process must call it, also one
+    with no samples: give it a loss connected to the graph, e.g.
+    ``F.sum(y) * 0`` (Chainer's softmax cross entropy cannot backpropagate
+    an empty batch). Layers after the replication must compute the same on
+    every process of a group (same dropout seed), as the copies' gradients
+    are summed.
+
+Not supported:
+    Deconvolution, ``return_indices`` of max pooling, BN over other axes,
+    double backpropagation through batch normalisation, and spatially
+    splitting a layer with a grid of another dimensionality.
 """
 from chainermn_overlap.distconv.exchange import region_exchange  # NOQA
 from chainermn_overlap.distconv.exchange import RegionExchange  # NOQA
@@ -29,7 +70,8 @@ from chainermn_overlap.distconv.grid import SpatialGrid  # NOQA
 from chainermn_overlap.distconv.links import BatchNormalization  # NOQA
 from chainermn_overlap.distconv.links import Convolution2D  # NOQA
 from chainermn_overlap.distconv.links import ConvolutionND  # NOQA
-from chainermn_overlap.distconv.normalization import batch_normalization  # NOQA
+from chainermn_overlap.distconv.normalization import (  # NOQA
+    batch_normalization)
 from chainermn_overlap.distconv.redistribute import sample_share  # NOQA
 from chainermn_overlap.distconv.redistribute import to_sample_layout  # NOQA
 from chainermn_overlap.distconv.redistribute import to_spatial_layout  # NOQA

@@ -23,7 +23,7 @@ import itertools
 
 
 def block_range(n, p, i):
-    """Returns the interval of block ``i`` when ``n`` cells are split ``p`` ways.
+    """Returns the interval of block ``i`` of ``n`` cells split ``p`` ways.
 
     Args:
         n (int): Global number of cells (>= 0).
@@ -42,7 +42,7 @@ def block_range(n, p, i):
 
 
 def block_sizes(n, p):
-    """Returns the list of block sizes of :func:`block_range` for all blocks."""
+    """Returns the sizes of all blocks of :func:`block_range`."""
     return [hi - lo for lo, hi in (block_range(n, p, i) for i in range(p))]
 
 
@@ -172,7 +172,8 @@ def window_input_box(out_box, ksize, stride, pad, dilate):
         return tuple((iv[0] * s - p, iv[0] * s - p)
                      for iv, s, p in zip(out_box, stride, pad))
     return tuple(input_interval(iv, k, s, p, d)
-                 for iv, k, s, p, d in zip(out_box, ksize, stride, pad, dilate))
+                 for iv, k, s, p, d
+                 in zip(out_box, ksize, stride, pad, dilate))
 
 
 ExchangePlan = collections.namedtuple(

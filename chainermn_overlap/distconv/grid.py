@@ -120,7 +120,7 @@ class SpatialGrid(object):
     # Layouts
     # ------------------------------------------------------------------
     def sample_range(self, n):
-        """Samples ``[lo, hi)`` of a global batch of ``n`` held by this group."""
+        """Samples ``[lo, hi)`` of a global batch of ``n`` in this group."""
         return geometry.block_range(n, self.n_groups, self.group)
 
     def block(self, spatial_shape):

@@ -22,13 +22,16 @@ class GradTap(function_node.FunctionNode):
     """Identity on a parameter that reports the gradient flowing through it.
 
     Args:
-        sink: object with ``on_tap(param, grad)``, called during backward.
+        sink: object with ``on_tap(param, grad_so_far, grad, iteration)``,
+            called during backward; returns the accumulated gradient.
+        iteration: the sink's iteration when the tap was made.
         param (chainer.Parameter): the tapped parameter.
     """
 
-    def __init__(self, sink, param):
+    def __init__(self, sink, param, iteration=None):
         self.sink = sink
         self.param = param
+        self.iteration = iteration
 
     def forward(self, inputs):
         # A view, not the array itself: consumers must not see the raw
@@ -37,21 +40,16 @@ class GradTap(function_node.FunctionNode):
 
     def backward_accumulate(self, target_input_indexes, grad_outputs,
                             grad_inputs):
-        # Chainer hands over what the parameter's gradient holds so far:
-        # its gradient from before this backward plus the contributions of
-        # taps that already fired.  Adding ours gives exactly the value
-        # Chainer will store in ``param.grad`` if no other use follows, so
-        # the sink can ship it bit-identical, with no accumulation of its own.
+        # Chainer hands over what the parameter's gradient holds so far (its
+        # gradient from before this backward plus the contributions of taps
+        # that already fired); the sink adds ours, keeps track of the total
+        # and returns the sum, exactly the addition Chainer would do.
         gy = grad_outputs[0]
         out = []
-        total = None
         for i, g in zip(target_input_indexes, grad_inputs):
             if i == 0:
-                if gy is not None:
-                    g = gy if g is None else g + gy
-                total = g
+                g = self.sink.on_tap(self.param, g, gy, self.iteration)
             out.append(g)
-        self.sink.on_tap(self.param, None if total is None else total.array)
         return tuple(out)
 
 
@@ -128,6 +126,28 @@ class ParamUseHook(function_hook.FunctionHook):
                 info = lookup.get(id(a))
                 if info is not None:
                     sink.on_raw_use(info)
+
+    def backward_preprocess(self, function, in_data, out_grad):
+        # A backward reads the parameters its forward retained.  If one has
+        # an update pending (a second optimizer's loss back-propagating
+        # through a network already updated, as in GAN training), the
+        # blocking optimizer would have updated those very arrays in place
+        # already: apply the update now so that results match it.
+        for sink in self.sinks:
+            if not sink.pending_count:
+                continue
+            lookup = sink.array_lookup
+            for a in in_data:
+                if a is None:
+                    continue
+                info = lookup.get(id(a))
+                if info is None:
+                    base = getattr(a, 'base', None)
+                    if base is None:
+                        continue
+                    info = lookup.get(id(base))
+                if info is not None and info.pending:
+                    sink.apply_pending(info)
 
     def __deepcopy__(self, memo):
         return self

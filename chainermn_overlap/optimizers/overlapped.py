@@ -147,7 +147,8 @@ class _ParamInfo(object):
     """Per-parameter state of the current iteration and the pending update."""
 
     __slots__ = ('name', 'param', 'bucket', 'index', 'expected', 'fired',
-                 'ready', 'tainted', 'pending')
+                 'total', 'ready', 'tainted', 'armed', 'late', 'packed',
+                 'nested', 'pending')
 
     def __init__(self, name, param, bucket, index):
         self.name = name
@@ -160,8 +161,17 @@ class _ParamInfo(object):
     def reset(self):
         self.expected = 0   # tapped uses made in forward
         self.fired = 0      # taps that delivered their gradient
+        self.total = None   # gradient accumulated through taps so far
         self.ready = False  # packed into the bucket; will not change
         self.tainted = False  # used outside its link: final only at close
+        # Gradient cleared (cleargrads/zerograds) this iteration: taps may
+        # declare it final.  Without it, a backward could be a different
+        # loss's (a GAN's discriminator loss reaching the generator), and
+        # only update() knows.
+        self.armed = False
+        self.late = False   # read by a function after its bucket was sent
+        self.packed = None  # the array packed, to detect later changes
+        self.nested = False  # taps fired in a nested backward (F.forget)
 
 
 class _OverlapState(object):
@@ -192,6 +202,7 @@ class _OverlapState(object):
         self.array_lookup = {}
         self.structure = None
         # Current iteration.
+        self.iteration = 0
         self.next_post = 0
         self.control = None
         self.backward_started = False
@@ -305,7 +316,7 @@ class _OverlapState(object):
                 continue
             if info is not None and not recomputing:
                 self._count_use(info)
-            tap = taps.GradTap(self, p)
+            tap = taps.GradTap(self, p, self.iteration)
             inputs = (p,) if dummy is None else (p, dummy)
             new[name] = tap.apply(inputs)[0]
         if new:
@@ -332,19 +343,47 @@ class _OverlapState(object):
 
     def _count_use(self, info):
         if info.bucket.posted:
-            raise RuntimeError(
-                'parameter {} is used in a forward pass after its gradient '
-                'was already sent for reduction in this iteration (rank {}). '
-                'To accumulate gradients over several forward/backward '
-                'passes, run all but the last inside '
-                '`with optimizer.no_sync():`, or call update() after each '
-                'backward.'.format(info.name, self.rank))
+            # A forward after the gradient was sent (e.g. for logging).
+            # Harmless unless a backward follows: its taps would then fire
+            # on a sent gradient, which raises there.
+            return
         if info.ready:
             info.ready = False
             info.bucket.n_ready -= 1
         info.expected += 1
 
-    def on_tap(self, param, grad):
+    def on_cleargrads(self, link):
+        """``link.cleargrads()``/``zerograds()``: gradients restart at 0."""
+        if self.buckets is None:
+            return
+        for p in link.params():
+            info = self.info_by_pid.get(id(p))
+            if info is None:
+                continue
+            if info.ready:
+                if info.bucket.posted:
+                    raise RuntimeError(
+                        'the gradient of {} was cleared after it was sent '
+                        'for reduction in this iteration (rank {}); clear '
+                        'gradients before backward, not between backward '
+                        'and update().'.format(info.name, self.rank))
+                info.ready = False
+                info.bucket.n_ready -= 1
+            info.fired = 0
+            info.total = None
+            info.armed = True
+
+    def on_tap(self, param, so_far, gy, iteration):
+        """A tap fired: ``gy`` is one use's gradient contribution.
+
+        ``so_far`` is what Chainer accumulated for the parameter until now;
+        ``iteration`` is when the tap was made.  Returns the new accumulated
+        gradient for Chainer.
+        """
+        if gy is None:
+            new = so_far
+        else:
+            new = gy if so_far is None else so_far + gy
         info = self.info_by_pid.get(id(param))
         if info is None:
             if self.buckets is None:
@@ -352,23 +391,38 @@ class _OverlapState(object):
                 if name is not None and name not in self.observed_set:
                     self.observed_set.add(name)
                     self.observed.append(name)
-            return
+            return new
+        if iteration != self.iteration or not info.armed:
+            # A graph of an earlier iteration, or gradient that may still be
+            # cleared: update() will take whatever param.grad holds then.
+            return new
         if not self.backward_started:
             self._begin_backward()
+        if info.fired == 0 or so_far is info.total:
+            info.total = new
+        elif gy is not None:
+            # A nested backward (F.forget's recomputation) accumulates in a
+            # table of its own; Chainer 7 then keeps only one of the two
+            # sums in param.grad.  Our total keeps every contribution.
+            info.nested = True
+            info.total = gy if info.total is None else info.total + gy
         info.fired += 1
         if info.tainted:
-            return
-        if info.fired > info.expected or info.ready:
-            # More gradient than forward uses (e.g. backward twice over a
-            # retained graph): only the end of the iteration knows.
+            return new
+        if info.ready or info.fired > info.expected:
+            # More gradient after the parameter looked final (a forward
+            # after it was packed, or backward twice over one graph).
             self._taint(info)
-            return
+            return new
         if info.fired == info.expected:
-            # ``grad`` is the parameter's whole gradient so far (see
-            # GradTap.backward_accumulate): with every use accounted for,
-            # it is final.
-            self._pack(info, grad)
+            # Every use is accounted for: the gradient is final.
+            total, info.total = info.total, None
+            self._pack(info, None if total is None else total.array)
             self._try_post()
+        return new
+
+    def apply_pending(self, info):
+        self._apply([info])
 
     def on_raw_use(self, info):
         if info.pending:
@@ -380,25 +434,28 @@ class _OverlapState(object):
             return
         if cfg.enable_backprop or cfg._will_recompute:
             if info.bucket.posted:
-                raise RuntimeError(
-                    'parameter {} is read by {} after its gradient was '
-                    'already sent for reduction in this iteration (rank {}). '
-                    'Run extra forward/backward passes inside '
-                    '`with optimizer.no_sync():`, or call update() first.'
-                    .format(info.name, 'a function', self.rank))
-            self._taint(info)
+                # Checked in update(): harmless if no gradient follows.
+                info.late = True
+            else:
+                self._taint(info)
 
     def _taint(self, info):
         if info.bucket.posted and info.ready:
-            raise RuntimeError(
-                'the gradient of parameter {} changed after it was sent for '
-                'reduction (rank {}); call update() after each backward, or '
-                'accumulate inside `with optimizer.no_sync():`.'
-                .format(info.name, self.rank))
+            self._raise_changed(info)
         if info.ready:
             info.ready = False
             info.bucket.n_ready -= 1
         info.tainted = True
+        info.total = None
+
+    def _raise_changed(self, info):
+        raise RuntimeError(
+            'the gradient of parameter {} changed after it was sent for '
+            'reduction in this iteration (rank {}): a forward/backward ran '
+            'after its backward and before update(). To accumulate gradients '
+            'over several passes, run all but the last inside `with '
+            'optimizer.no_sync():`, or call update() after each backward.'
+            .format(info.name, self.rank))
 
     # ------------------------------------------------------------------
     # Packing and posting
@@ -410,7 +467,8 @@ class _OverlapState(object):
         # Parameters no tap will reach and nothing else used are final now:
         # ship them at once instead of holding up their bucket until update().
         for info in self.infos:
-            if info.expected == 0 and not info.tainted and not info.ready:
+            if (info.expected == 0 and info.armed and not info.tainted
+                    and not info.ready):
                 self._pack(info, info.param.grad)
         self._try_post()
 
@@ -427,6 +485,7 @@ class _OverlapState(object):
             slot.fill(0)
         else:
             slot[...] = grad.reshape(-1)
+        info.packed = grad
         info.ready = True
         bucket.n_ready += 1
 
@@ -488,6 +547,9 @@ class _OverlapState(object):
         for info in self.infos:
             if not info.ready:
                 self._pack(info, info.param.grad)
+            elif (info.late and not info.nested
+                  and info.param.grad is not info.packed):
+                self._raise_changed(info)
         self._try_post()
         assert self.next_post == len(self.buckets)
         buf, handle = self.control
@@ -583,6 +645,7 @@ class _OverlapState(object):
         for bucket in self.buckets:
             bucket.n_ready = 0
             bucket.posted = False
+        self.iteration += 1
         self.next_post = 0
         self.control = None
         self.backward_started = False
