@@ -2,3 +2,4 @@
 from chainermn_overlap.communication.backends import get_backend  # NOQA
 from chainermn_overlap.communication.backends import register_backend  # NOQA
 from chainermn_overlap.communication.buckets import plan_buckets  # NOQA
+from chainermn_overlap.communication import scheduler  # NOQA  (registers mpi_priority)

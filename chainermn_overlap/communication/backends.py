@@ -94,11 +94,18 @@ class CommunicationBackend(object):
 
     name = None
 
-    def allreduce(self, array, op='sum', label=None):
+    def allreduce(self, array, op='sum', label=None, slot=None, priority=0):
         """Posts an in-place allreduce of ``array``; returns a handle.
 
-        Reductions complete in posting order on every rank; posting order
-        must therefore be the same on all ranks.
+        Args:
+            array: the buffer, reduced in place.
+            op (str): ``'sum'``, ``'max'`` or ``'min'``.
+            label (str): what it is, for errors and timelines.
+            slot: ``(round_key, index, n_items)``: the reduction is item
+                ``index`` of a round (an optimizer iteration) whose items
+                every rank posts in index order.  Engines that reorder use
+                it; first-in-first-out engines ignore it.
+            priority: larger may run first (engines that reorder).
         """
         raise NotImplementedError
 
@@ -146,7 +153,7 @@ class MpiThreadBackend(CommunicationBackend):
         self._thread.start()
         _LIVE.add(self)
 
-    def allreduce(self, array, op='sum', label=None):
+    def allreduce(self, array, op='sum', label=None, slot=None, priority=0):
         if self._closed:
             raise RuntimeError('the communication backend was closed')
         label = label or 'array of {} elements'.format(array.size)

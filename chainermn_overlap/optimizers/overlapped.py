@@ -50,14 +50,14 @@ def parse_size(value):
         m = re.fullmatch(r'\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*', value)
         if m is None or m.group(2).lower() not in _SIZE_UNITS:
             raise ValueError(
-                'bucket_size {!r} is not understood; give a number of bytes '
+                'size {!r} is not understood; give a number of bytes '
                 'or a string such as "25MB" or "4MiB"'.format(value))
         value = float(m.group(1)) * _SIZE_UNITS[m.group(2).lower()]
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ValueError('bucket_size must be a number of bytes or a string '
+        raise ValueError('a size must be a number of bytes or a string '
                          'such as "25MB", got {!r}'.format(value))
     if not value >= 1:
-        raise ValueError('bucket_size must be at least 1 byte, got {!r}'
+        raise ValueError('a size must be at least 1 byte, got {!r}'
                          .format(value))
     return int(value)
 
@@ -178,7 +178,7 @@ class _OverlapState(object):
     """Everything the overlapped optimizer knows, in one place."""
 
     def __init__(self, actual, communicator, wait, bucket_size, zero_fill,
-                 allreduce_grad_dtype, backend):
+                 allreduce_grad_dtype, backend, backend_options):
         self.actual = actual
         self.communicator = communicator
         self.mpi_comm = communicator.mpi_comm
@@ -189,6 +189,7 @@ class _OverlapState(object):
         self.zero_fill = zero_fill
         self.allreduce_grad_dtype = allreduce_grad_dtype
         self.backend_name = backend
+        self.backend_options = backend_options
         self.backend = None
 
         self.target = None
@@ -224,7 +225,7 @@ class _OverlapState(object):
     def attach(self, target):
         if self.backend is None:
             self.backend = backends.get_backend(self.backend_name)(
-                self.mpi_comm)
+                self.mpi_comm, **self.backend_options)
         self.target = target
         self._hook_links()
         taps.install_param_use_hook(self)
@@ -498,8 +499,14 @@ class _OverlapState(object):
 
     def _post(self, bucket):
         self._post_control()
+        # Round items: 0 is the control message, bucket b is b + 1.  With
+        # wait='forward' the last bucket posted holds the first layers, which
+        # the next forward needs first.
+        prio = bucket.index if self.wait == 'forward' else -bucket.index
         bucket.handle = self.backend.allreduce(
-            bucket.buffer, 'sum', label=bucket.label())
+            bucket.buffer, 'sum', label=bucket.label(),
+            slot=(self.iteration, bucket.index + 1, len(self.buckets) + 1),
+            priority=prio)
         bucket.posted = True
         bucket.finalized = False
 
@@ -516,7 +523,9 @@ class _OverlapState(object):
         changed = self.local_changed or self._structure_changed()
         buf = numpy.array([int(changed), -int(self.loaded)], dtype=numpy.int64)
         self.control = (buf, self.backend.allreduce(
-            buf, 'max', label='iteration control message'))
+            buf, 'max', label='iteration control message',
+            slot=(self.iteration, 0, len(self.buckets) + 1),
+            priority=float('inf')))
 
     def _local_structure(self):
         return [(n, p, None if p.array is None else p.shape,
@@ -960,7 +969,7 @@ class _OverlappedOptimizer(object):
 def create_overlapped_optimizer(actual_optimizer, communicator,
                                 wait='forward', bucket_size=None,
                                 zero_fill=True, allreduce_grad_dtype=None,
-                                backend='mpi_thread'):
+                                backend='mpi_priority', chunk_size=None):
     """Creates a multi-node optimizer that overlaps reduction with compute.
 
     A drop-in for :func:`chainermn.create_multi_node_optimizer`: gradients
@@ -989,8 +998,15 @@ def create_overlapped_optimizer(actual_optimizer, communicator,
             ``numpy.float16`` halves traffic; updates still run in the
             parameters' dtype).  Default: the parameter's dtype (float32 for
             float16 parameters).
-        backend (str): communication engine; ``'mpi_thread'`` (a
-            communication thread on a duplicated communicator).
+        backend (str): communication engine, run by a communication thread
+            on a duplicated communicator: ``'mpi_priority'`` (default)
+            slices buckets into chunks and runs first what is needed first
+            (with ``wait='forward'``, the first layers' gradients), in an
+            order all ranks agree on; ``'mpi_thread'`` reduces buckets
+            first-in-first-out.
+        chunk_size (int or str): largest piece reduced in one call by
+            ``'mpi_priority'`` (a higher-priority bucket can start at every
+            chunk boundary).  Default 4 MiB.
 
     Returns:
         The wrapped optimizer.  Attribute access goes to the actual
@@ -1025,6 +1041,13 @@ def create_overlapped_optimizer(actual_optimizer, communicator,
                 'got {}'.format(dt))
         allreduce_grad_dtype = dt
     backends.get_backend(backend)
+    backend_options = {}
+    if chunk_size is not None:
+        if backend != 'mpi_priority':
+            raise ValueError("chunk_size applies to backend='mpi_priority' "
+                             'only, not {!r}'.format(backend))
+        backend_options['chunk_bytes'] = parse_size(chunk_size)
     state = _OverlapState(actual_optimizer, communicator, wait, bucket_size,
-                          zero_fill, allreduce_grad_dtype, backend)
+                          zero_fill, allreduce_grad_dtype, backend,
+                          backend_options)
     return _OverlappedOptimizer(state)

@@ -34,6 +34,7 @@ def test_not_an_optimizer(comm):
 @pytest.mark.parametrize('kwargs, match', [
     ({'wait': 'backward'}, "wait must be 'forward' or 'update'"),
     ({'bucket_size': 0}, 'at least 1 byte'),
+    ({'chunk_size': '1MB', 'backend': 'mpi_thread'}, 'chunk_size applies'),
     ({'bucket_size': -5}, 'at least 1 byte'),
     ({'bucket_size': '25 parsecs'}, 'not understood'),
     ({'allreduce_grad_dtype': np.int32}, 'float16, float32 or float64'),
