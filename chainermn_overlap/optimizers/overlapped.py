@@ -18,6 +18,7 @@ This module keeps all per-iteration state in :class:`_OverlapState`; the
 hooks in :mod:`chainermn_overlap.hooks` only report events to it, and the
 communication itself is behind :mod:`chainermn_overlap.communication`.
 """
+import atexit
 import contextlib
 import json
 import re
@@ -34,6 +35,7 @@ from chainer import optimizer as optimizer_module
 from chainermn_overlap import _autosync
 from chainermn_overlap.communication import backends
 from chainermn_overlap.communication import buckets as buckets_module
+from chainermn_overlap.communication import timeline as timeline_module
 from chainermn_overlap.errors import FallbackWarning
 from chainermn_overlap.hooks import taps
 
@@ -218,6 +220,9 @@ class _OverlapState(object):
         self.hyperparams = None
         self.warned_fallback = False
         self.stats = CommunicationStats()
+        self.timeline = None
+        self.link_names = {}
+        self.forward_started = {}
 
     # ------------------------------------------------------------------
     # Set-up
@@ -246,9 +251,15 @@ class _OverlapState(object):
         self.info_by_pid = {}
         self.array_lookup = {}
 
+    def write_timeline(self):
+        if self.timeline is not None:
+            return self.timeline.write()
+        return None
+
     def close(self):
         if self.target is not None:
             self.detach()
+        self.write_timeline()
         if self.backend is not None:
             self.backend.close()
             self.backend = None
@@ -268,6 +279,9 @@ class _OverlapState(object):
                 link.add_hook(self.link_hook)
             self.hooked_links.add(link)
         self.name_by_pid = {id(p): n for n, p in self.target.namedparams()}
+        if self.timeline is not None:
+            self.link_names = {id(l): n or '/'
+                               for n, l in self.target.namedlinks()}
         _autosync.register(self.target, self)
 
     # ------------------------------------------------------------------
@@ -285,6 +299,9 @@ class _OverlapState(object):
         if link not in self.hooked_links:
             return
         taps.ensure_param_use_hook()
+        if self.timeline is not None:
+            self.forward_started.setdefault(id(link), []).append(
+                time.perf_counter())
         params = self._real_params(link)
         if self.pending_count:
             todo = []
@@ -327,6 +344,12 @@ class _OverlapState(object):
             d.update(new)
 
     def after_forward(self, link):
+        tl = self.timeline
+        if tl is not None:
+            starts = self.forward_started.get(id(link))
+            if starts:
+                tl.span('forward ' + self.link_names.get(id(link), '?'),
+                        'forward', starts.pop(), time.perf_counter())
         stack = self.swaps.get(id(link))
         if stack:
             _, saved = stack.pop()
@@ -417,6 +440,8 @@ class _OverlapState(object):
             return new
         if info.fired == info.expected:
             # Every use is accounted for: the gradient is final.
+            if self.timeline is not None:
+                self.timeline.instant('grad ready ' + info.name, 'backward')
             total, info.total = info.total, None
             self._pack(info, None if total is None else total.array)
             self._try_post()
@@ -509,6 +534,9 @@ class _OverlapState(object):
             priority=prio)
         bucket.posted = True
         bucket.finalized = False
+        if self.timeline is not None:
+            self.timeline.instant('post bucket {}'.format(bucket.index),
+                                  'post', args={'label': bucket.label()})
 
     def _post_control(self):
         """First collective of every iteration: did anything change?
@@ -547,6 +575,15 @@ class _OverlapState(object):
     # Closing an iteration (update())
 
     def close_iteration(self):
+        if self.timeline is None:
+            return self._close_iteration()
+        t0 = time.perf_counter()
+        try:
+            self._close_iteration()
+        finally:
+            self.timeline.span('update()', 'update', t0, time.perf_counter())
+
+    def _close_iteration(self):
         self._restore_all_swaps()
         if self.buckets is None:
             self._relayout(first=True)
@@ -608,7 +645,15 @@ class _OverlapState(object):
                 handle.wait()
             except backends.CommunicationError as e:
                 raise RuntimeError('rank {}: {}'.format(self.rank, e)) from e
-            self.stats.record(handle, time.perf_counter() - t0)
+            t1 = time.perf_counter()
+            self.stats.record(handle, t1 - t0)
+            tl = self.timeline
+            if tl is not None:
+                tl.span('wait bucket {}'.format(bucket.index), 'wait', t0, t1)
+                tl.span('allreduce bucket {}'.format(bucket.index), 'comm',
+                        handle.started_at, handle.finished_at,
+                        tid=tl.COMM, args={'label': handle.label,
+                                           'bytes': handle.nbytes})
             if self.size > 1:
                 bucket.buffer *= bucket.buffer.dtype.type(1.0 / self.size)
             bucket.finalized = True
@@ -667,6 +712,7 @@ class _OverlapState(object):
 
     def _apply(self, infos):
         """Waits for the reductions of ``infos`` and runs their update."""
+        t0 = time.perf_counter() if self.timeline is not None else None
         actual = self.actual
         hookable = actual._hookable
         pre = list(hookable._pre_update_hooks.values())
@@ -694,6 +740,10 @@ class _OverlapState(object):
             if b.handle is not None and not any(i.pending for i in
                                                 self._bucket_infos(b)):
                 b.handle = None
+        if t0 is not None:
+            self.timeline.span('update ' + infos[0].name.rsplit('/', 1)[0],
+                               'update', t0, time.perf_counter(),
+                               args={'params': [i.name for i in infos]})
 
     def _bucket_infos(self, bucket):
         return [self.info_by_pid[id(p)] for p in bucket.params]
@@ -839,6 +889,15 @@ class _OverlapState(object):
                         n, desc, self.rank))
 
 
+_TIMELINES = weakref.WeakSet()
+
+
+@atexit.register
+def _write_timelines():
+    for state in list(_TIMELINES):
+        state.write_timeline()
+
+
 def _first_variable_input(args, kwargs):
     return taps._first_variable(args, kwargs)
 
@@ -945,6 +1004,10 @@ class _OverlappedOptimizer(object):
         """Releases the communication thread and the hooks."""
         self._overlap.close()
 
+    def write_timeline(self):
+        """Writes the timeline now (if enabled); returns its path."""
+        return self._overlap.write_timeline()
+
     def communication_stats(self, reset=False):
         """Gradient communication counters since setup (or the last reset).
 
@@ -969,7 +1032,8 @@ class _OverlappedOptimizer(object):
 def create_overlapped_optimizer(actual_optimizer, communicator,
                                 wait='forward', bucket_size=None,
                                 zero_fill=True, allreduce_grad_dtype=None,
-                                backend='mpi_priority', chunk_size=None):
+                                backend='mpi_priority', chunk_size=None,
+                                timeline=None):
     """Creates a multi-node optimizer that overlaps reduction with compute.
 
     A drop-in for :func:`chainermn.create_multi_node_optimizer`: gradients
@@ -1004,6 +1068,12 @@ def create_overlapped_optimizer(actual_optimizer, communicator,
             (with ``wait='forward'``, the first layers' gradients), in an
             order all ranks agree on; ``'mpi_thread'`` reduces buckets
             first-in-first-out.
+        timeline (str): if given, a Chrome-trace/Perfetto JSON per rank is
+            written there (``{rank}`` in the path is replaced by the rank,
+            else ``.rank<r>`` is inserted): forward per link, waits,
+            deferred updates, each bucket's reduction.  Written by
+            ``close()``/``write_timeline()`` and at exit; the first 200000
+            events are kept.
         chunk_size (int or str): largest piece reduced in one call by
             ``'mpi_priority'`` (a higher-priority bucket can start at every
             chunk boundary).  Default 4 MiB.
@@ -1050,4 +1120,8 @@ def create_overlapped_optimizer(actual_optimizer, communicator,
     state = _OverlapState(actual_optimizer, communicator, wait, bucket_size,
                           zero_fill, allreduce_grad_dtype, backend,
                           backend_options)
+    if timeline is not None:
+        state.timeline = timeline_module.Timeline(str(timeline),
+                                                  communicator.rank)
+        _TIMELINES.add(state)
     return _OverlappedOptimizer(state)

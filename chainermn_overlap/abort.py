@@ -1,0 +1,176 @@
+"""Ending the whole MPI job when one rank fails.
+
+An uncaught exception on one rank leaves the others waiting forever in
+their next collective: with MPICH the raising rank itself then hangs in
+``MPI_Finalize`` at exit, so not even the launcher notices (measured: the
+job never ends).  :func:`enable_abort_on_exception` makes such an exception
+call ``MPI_Abort`` after printing it, which the launcher turns into the end
+of every rank within a second.
+
+Compared with ``chainermn.global_except_hook.add_hook()`` it also
+
+* covers uncaught exceptions in threads other than the main thread (a
+  dead data-loading or communication thread otherwise hangs the job);
+* writes which rank failed *before* the traceback and flushes stdout and
+  stderr first, so the original error is readable in interleaved output;
+* ends the process with ``os._exit`` if ``MPI_Abort`` itself does not
+  return within a grace period (a broken MPI must not turn into a hang);
+* is idempotent and can be undone (:func:`disable_abort_on_exception`).
+
+Setting the environment variable ``CHAINERMN_OVERLAP_ABORT_ON_EXCEPTION=1``
+(pass it to every rank, e.g. ``mpiexec -genv``) installs it when
+``chainermn_overlap`` is imported.
+"""
+import os
+import sys
+import threading
+import traceback
+
+
+ENV_VAR = 'CHAINERMN_OVERLAP_ABORT_ON_EXCEPTION'
+
+# Exit status given to MPI_Abort, and grace period for MPI_Abort itself.
+ABORT_CODE = 1
+_ABORT_GRACE_SECONDS = 5.0
+
+_installed = None   # (previous sys.excepthook, previous threading hook)
+_aborting = threading.Lock()
+
+
+def _world_rank():
+    # MPI is normally initialised by now; if it is not (an exception at
+    # start-up), importing mpi4py.MPI initialises it so Abort still works.
+    try:
+        from mpi4py import MPI
+        return MPI.COMM_WORLD.Get_rank(), MPI
+    except Exception:  # an unusable MPI: fall back to os._exit below
+        return None, None
+
+
+def _flush():
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:  # a closed or broken stream must not stop abort
+            pass
+
+
+def abort_job(reason, code=ABORT_CODE):
+    """Writes ``reason`` to stderr and ends every rank of the MPI job.
+
+    Calls ``MPI_Abort`` on ``COMM_WORLD``; if that has not ended this
+    process within a few seconds, exits it with ``os._exit``.  Never
+    returns.
+
+    Args:
+        reason (str): what happened, shown with the rank.
+        code (int): exit status requested from ``MPI_Abort``.
+    """
+    # Only one thread aborts; a second failing thread waits for the end.
+    _aborting.acquire()
+    rank, MPI = _world_rank()
+    try:
+        sys.stderr.write(
+            '\nchainermn_overlap: rank {} {}; calling MPI_Abort to end every '
+            'rank of the job.\n'.format('?' if rank is None else rank,
+                                        reason))
+    except Exception:  # stderr may be gone at interpreter shutdown
+        pass
+    _flush()
+    # If MPI_Abort hangs (seen with broken networks in some MPIs), still
+    # end this process; the launcher then ends the others.
+    timer = threading.Timer(_ABORT_GRACE_SECONDS, os._exit, (code,))
+    timer.daemon = True
+    timer.start()
+    if MPI is not None:
+        try:
+            MPI.COMM_WORLD.Abort(code)
+        except Exception:  # fall through to os._exit
+            pass
+    os._exit(code)
+
+
+def _excepthook(exctype, value, tb):
+    previous = _installed[0] if _installed else sys.__excepthook__
+    rank, _ = _world_rank()
+    try:
+        sys.stderr.write('\nchainermn_overlap: uncaught exception on rank '
+                         '{}:\n'.format('?' if rank is None else rank))
+        previous(exctype, value, tb)
+    finally:
+        abort_job('raised an uncaught {}'.format(exctype.__name__))
+
+
+def _thread_excepthook(args):
+    if args.exc_type is SystemExit:
+        # threading ignores SystemExit in threads; so do we.
+        return
+    rank, _ = _world_rank()
+    try:
+        sys.stderr.write(
+            '\nchainermn_overlap: uncaught exception on rank {} in thread '
+            '{!r}:\n'.format('?' if rank is None else rank,
+                             getattr(args.thread, 'name', None)))
+        traceback.print_exception(args.exc_type, args.exc_value,
+                                  args.exc_traceback)
+    finally:
+        abort_job('raised an uncaught {} in a thread'.format(
+            args.exc_type.__name__))
+
+
+def enable_abort_on_exception(threads=True):
+    """Makes an uncaught exception on any rank end the whole MPI job.
+
+    Call it at the start of a training script, on every rank.  The
+    exception is printed as usual (preceded by the rank), then
+    ``MPI_Abort`` ends all ranks with a non-zero exit status instead of
+    leaving the others waiting in a collective forever.
+
+    It replaces ``chainermn.global_except_hook.add_hook()`` (see the module
+    docstring for the differences); calling both is harmless.  Note that
+    ``sys.exit(n)`` is not an exception to Python's hooks: on one rank only,
+    it still leaves the others waiting; raise an exception instead.
+
+    Args:
+        threads (bool): also abort on uncaught exceptions in threads other
+            than the main thread.
+    """
+    global _installed
+    if _installed is not None:
+        return
+    previous = sys.excepthook
+    # chainermn's hook aborts too, without the extras: chain to what it
+    # wrapped instead, so that the traceback is printed once.
+    try:
+        from chainermn import global_except_hook as cmn_hook
+        if previous is cmn_hook._global_except_hook:
+            previous = cmn_hook._orig_except_hook or sys.__excepthook__
+    except ImportError:
+        pass
+    _installed = (previous, threading.excepthook)
+    sys.excepthook = _excepthook
+    if threads:
+        threading.excepthook = _thread_excepthook
+
+
+def disable_abort_on_exception():
+    """Restores the exception hooks replaced by enable_abort_on_exception."""
+    global _installed
+    if _installed is None:
+        return
+    if sys.excepthook is _excepthook:
+        sys.excepthook = _installed[0]
+    if threading.excepthook is _thread_excepthook:
+        threading.excepthook = _installed[1]
+    _installed = None
+
+
+def abort_on_exception_enabled():
+    """True when :func:`enable_abort_on_exception` is in effect."""
+    return _installed is not None
+
+
+def _enable_from_environment():
+    if os.environ.get(ENV_VAR, '').strip().lower() not in (
+            '', '0', 'false', 'no', 'off'):
+        enable_abort_on_exception()
