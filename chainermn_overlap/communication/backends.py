@@ -114,6 +114,35 @@ class CommunicationBackend(object):
         raise NotImplementedError
 
 
+def check_thread_multiple(backend_name):
+    """Raises unless MPI runs with ``MPI_THREAD_MULTIPLE``."""
+    from mpi4py import MPI
+    provided = MPI.Query_thread()
+    if provided < MPI.THREAD_MULTIPLE:
+        raise RuntimeError(
+            'the {} communication backend needs MPI initialised with '
+            'MPI_THREAD_MULTIPLE, but the thread level is {}. Do not lower '
+            'mpi4py.rc.thread_level before importing mpi4py.MPI.'
+            .format(backend_name, provided))
+
+
+def stage_to_host(array):
+    """Host buffer for ``array`` and a callable that copies results back.
+
+    numpy arrays are used in place (no copy, nothing to copy back).  GPU
+    arrays are copied out now and back when the reduction is waited for,
+    which needs no CUDA-aware MPI.
+    """
+    xp = chainer.backend.get_array_module(array)
+    if xp is numpy:
+        return array, None
+    host = chainer.backend.CpuDevice().send(array)
+
+    def finish():
+        array[...] = xp.asarray(host)
+    return host, finish
+
+
 def _mpi_op(name):
     from mpi4py import MPI
     return {'sum': MPI.SUM, 'max': MPI.MAX, 'min': MPI.MIN}[name]
@@ -135,14 +164,7 @@ class MpiThreadBackend(CommunicationBackend):
     name = 'mpi_thread'
 
     def __init__(self, mpi_comm):
-        from mpi4py import MPI
-        provided = MPI.Query_thread()
-        if provided < MPI.THREAD_MULTIPLE:
-            raise RuntimeError(
-                'the mpi_thread communication backend needs MPI initialised '
-                'with MPI_THREAD_MULTIPLE, but the thread level is {}. Do not '
-                'lower mpi4py.rc.thread_level before importing mpi4py.MPI.'
-                .format(provided))
+        check_thread_multiple(self.name)
         self.rank = mpi_comm.Get_rank()
         self.comm = mpi_comm.Dup()
         self._queue = queue.Queue()
@@ -157,16 +179,7 @@ class MpiThreadBackend(CommunicationBackend):
         if self._closed:
             raise RuntimeError('the communication backend was closed')
         label = label or 'array of {} elements'.format(array.size)
-        xp = chainer.backend.get_array_module(array)
-        if xp is numpy:
-            host, finish = array, None
-        else:
-            # Stage through host memory: copy out now (the caller may reuse
-            # nothing of it until wait()), copy back when waited for.
-            host = chainer.backend.CpuDevice().send(array)
-
-            def finish(dev=array, host=host):
-                dev[...] = xp.asarray(host)
+        host, finish = stage_to_host(array)
         handle = Handle(label, finish, nbytes=array.nbytes)
         self._queue.put((host, op, handle))
         return handle

@@ -25,8 +25,6 @@ import time
 
 import numpy
 
-import chainer
-
 from chainermn_overlap.communication import backends
 
 
@@ -82,14 +80,7 @@ class PriorityMpiBackend(backends.CommunicationBackend):
     name = 'mpi_priority'
 
     def __init__(self, mpi_comm, chunk_bytes=4 * 1024 * 1024):
-        from mpi4py import MPI
-        provided = MPI.Query_thread()
-        if provided < MPI.THREAD_MULTIPLE:
-            raise RuntimeError(
-                'the {} communication backend needs MPI initialised with '
-                'MPI_THREAD_MULTIPLE, but the thread level is {}. Do not '
-                'lower mpi4py.rc.thread_level before importing mpi4py.MPI.'
-                .format(self.name, provided))
+        backends.check_thread_multiple(self.name)
         self.rank = mpi_comm.Get_rank()
         self.comm = mpi_comm.Dup()
         self.chunk_bytes = int(chunk_bytes)
@@ -117,14 +108,7 @@ class PriorityMpiBackend(backends.CommunicationBackend):
         if self._closed:
             raise RuntimeError('the communication backend was closed')
         label = label or 'array of {} elements'.format(array.size)
-        xp = chainer.backend.get_array_module(array)
-        if xp is numpy:
-            host, finish = array, None
-        else:
-            host = chainer.backend.CpuDevice().send(array)
-
-            def finish(dev=array, host=host):
-                dev[...] = xp.asarray(host)
+        host, finish = backends.stage_to_host(array)
         handle = backends.Handle(label, finish, nbytes=array.nbytes)
         with self._cond:
             if slot is None:

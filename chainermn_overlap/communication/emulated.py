@@ -1,0 +1,388 @@
+"""Network emulation: real reductions, completion timed by an α–β model.
+
+The setting a user cares about (say 16 nodes at 10 Gb/s) often cannot run on
+the machine at hand.  This backend runs the *real* computation and the real
+reduction over the processes that exist (one process: the identity), so
+results stay correct, but each collective completes when a model of a ring
+allreduce over ``nodes`` virtual nodes says it would:
+
+* one collective of ``n`` bytes takes
+  ``2 (N - 1) alpha + 2 (N - 1) / N * n / beta`` seconds (a ring allreduce:
+  ``N - 1`` reduce-scatter and ``N - 1`` allgather steps, each paying the
+  latency ``alpha`` and moving ``n / N`` bytes over a link of ``beta``
+  bytes/s);
+* collectives are serialised on the one link, as a NIC does: a collective
+  starts when it was posted or when the previous one finished, whichever is
+  later.
+
+Anything measured with it is an **emulation**, and must say so.
+
+The model itself is pure functions (:func:`ring_allreduce_seconds`,
+:func:`schedule`) plus :class:`LinkModel`, which only keeps the time at which
+the link becomes free.  Use it with the optimizers by name::
+
+    name = emulated.configure(nodes=16, bandwidth='10gbit', latency=25e-6)
+    opt = chainermn_overlap.create_overlapped_optimizer(
+        actual, comm, backend=name)
+
+``'emulated'`` itself uses :data:`DEFAULTS`, overridden by the environment
+variable ``CHAINERMN_OVERLAP_EMULATION`` (``"nodes=16,bandwidth=10gbit,
+latency=25us"``).  ChainerMN's blocking optimizer does not use backends; wrap
+its communicator in :class:`EmulatedCommunicator` to time it by the same
+model.
+"""
+import functools
+import os
+import queue
+import re
+import threading
+import time
+
+import numpy
+
+from chainermn_overlap.communication import backends
+
+ENV_VAR = 'CHAINERMN_OVERLAP_EMULATION'
+# The anchor setting: 16 nodes on 10 Gb/s Ethernet.  25 us per ring step is
+# a typical TCP small-message latency on such a network.
+DEFAULTS = {'nodes': 16, 'bandwidth': 10e9, 'latency': 25e-6}
+
+
+# ----------------------------------------------------------------------------
+# The model: pure functions.
+
+def ring_allreduce_seconds(nbytes, nodes, alpha, beta):
+    """Duration of one ring allreduce under the α–β model.
+
+    Args:
+        nbytes (int): size of the reduced array in bytes.
+        nodes (int): number of nodes in the ring.
+        alpha (float): latency of one step, in seconds.
+        beta (float): link bandwidth in bytes per second (each direction).
+
+    Returns:
+        float: seconds; 0 for a single node (nothing to send).
+    """
+    if nodes < 1:
+        raise ValueError('nodes must be at least 1, got {}'.format(nodes))
+    if beta <= 0 or alpha < 0:
+        raise ValueError('need beta > 0 and alpha >= 0, got beta={}, '
+                         'alpha={}'.format(beta, alpha))
+    if nodes == 1:
+        return 0.0
+    steps = 2 * (nodes - 1)
+    return steps * alpha + steps / float(nodes) * nbytes / beta
+
+
+def wire_bytes(nbytes, nodes):
+    """Bytes each node sends in a ring allreduce: ``2 (N-1)/N * nbytes``."""
+    return 2.0 * (nodes - 1) / nodes * nbytes
+
+
+def schedule(posts, nodes, alpha, beta, free_at=float('-inf')):
+    """Start and finish times of collectives serialised on one link.
+
+    Args:
+        posts: ``(posted_at, nbytes)`` pairs in posting order.
+        nodes, alpha, beta: as in :func:`ring_allreduce_seconds`.
+        free_at (float): time at which the link becomes free.
+
+    Returns:
+        list: ``(start, finish)`` per collective.  A collective starts when
+        it was posted or when the previous one finished, whichever is later.
+    """
+    out = []
+    for posted_at, nbytes in posts:
+        start = max(posted_at, free_at)
+        free_at = start + ring_allreduce_seconds(nbytes, nodes, alpha, beta)
+        out.append((start, free_at))
+    return out
+
+
+def scale_bandwidth(bandwidth, anchor_compute_s, local_compute_s):
+    """Bandwidth that keeps the anchor's communication/computation ratio.
+
+    Communication time scales as ``1 / bandwidth``; to keep
+    ``t_comm / t_compute`` of the anchor on a machine whose iteration
+    computes in ``local_compute_s`` instead of ``anchor_compute_s``, the link
+    must be slower by the same factor.
+
+    Returns:
+        float: ``bandwidth * anchor_compute_s / local_compute_s``.
+    """
+    if anchor_compute_s <= 0 or local_compute_s <= 0:
+        raise ValueError('compute times must be positive')
+    return bandwidth * anchor_compute_s / local_compute_s
+
+
+def anchor_compute_seconds(nbytes, nodes, bandwidth, blocking_scalability,
+                           latency=0.0):
+    """Per-iteration compute time implied by a blocking scalability figure.
+
+    With blocking communication an iteration takes ``t_c + t_comm``, so the
+    scalability is ``s = t_c / (t_c + t_comm)`` and
+    ``t_c = t_comm * s / (1 - s)``, with ``t_comm`` from the ring model.
+
+    Args:
+        nbytes (int): gradient bytes reduced per iteration.
+        nodes (int): nodes of the anchor.
+        bandwidth (float): anchor link rate in bit/s.
+        blocking_scalability (float): the anchor's blocking figure, in (0, 1).
+        latency (float): per-step latency in seconds.
+    """
+    if not 0 < blocking_scalability < 1:
+        raise ValueError('blocking_scalability must be in (0, 1), got {}'
+                         .format(blocking_scalability))
+    t_comm = ring_allreduce_seconds(nbytes, nodes, latency, bandwidth / 8.0)
+    return t_comm * blocking_scalability / (1.0 - blocking_scalability)
+
+
+def parse_settings(text):
+    """Parses ``"nodes=16,bandwidth=10gbit,latency=25us"`` into a dict."""
+    out = {}
+    for item in filter(None, (s.strip() for s in text.split(','))):
+        key, sep, value = item.partition('=')
+        key = key.strip()
+        if not sep or key not in DEFAULTS:
+            raise ValueError(
+                '{}: cannot read {!r}; expected comma-separated key=value '
+                'with keys {}'.format(ENV_VAR, item, ', '.join(DEFAULTS)))
+        if key == 'nodes':
+            out[key] = int(value)
+        elif key == 'bandwidth':
+            out[key] = _parse_rate(value)
+        else:
+            out[key] = _parse_seconds(value)
+    return out
+
+
+def _parse_rate(value):
+    if isinstance(value, (int, float)):
+        return float(value)
+    m = re.fullmatch(r'\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([kmg]?bit)?\s*',
+                     value.lower())
+    if m is None:
+        raise ValueError('bandwidth {!r} is not understood; give bit/s or '
+                         'e.g. "10gbit"'.format(value))
+    unit = {None: 1, 'bit': 1, 'kbit': 1e3, 'mbit': 1e6, 'gbit': 1e9}
+    return float(m.group(1)) * unit[m.group(2)]
+
+
+def _parse_seconds(value):
+    if isinstance(value, (int, float)):
+        return float(value)
+    m = re.fullmatch(r'\s*([0-9]*\.?[0-9]+(?:e-?[0-9]+)?)\s*(s|ms|us)?\s*',
+                     value.lower())
+    if m is None:
+        raise ValueError('latency {!r} is not understood; give seconds or '
+                         'e.g. "25us"'.format(value))
+    return float(m.group(1)) * {None: 1, 's': 1, 'ms': 1e-3,
+                                'us': 1e-6}[m.group(2)]
+
+
+class LinkModel(object):
+    """One node's link: collectives are timed by the ring model, in order.
+
+    Args:
+        nodes (int): virtual nodes in the ring.
+        bandwidth (float or str): link rate in bit/s (or ``'10gbit'``).
+        latency (float or str): α, seconds per ring step (or ``'25us'``).
+    """
+
+    def __init__(self, nodes, bandwidth, latency):
+        self.nodes = int(nodes)
+        self.bandwidth = _parse_rate(bandwidth)
+        self.latency = _parse_seconds(latency)
+        # Validates the arguments once, here, rather than in the thread.
+        ring_allreduce_seconds(0, self.nodes, self.latency,
+                               self.bandwidth / 8.0)
+        self.free_at = float('-inf')
+        self._lock = threading.Lock()
+
+    def duration(self, nbytes):
+        return ring_allreduce_seconds(nbytes, self.nodes, self.latency,
+                                      self.bandwidth / 8.0)
+
+    def reserve(self, posted_at, nbytes):
+        """Books the link for one collective; returns ``(start, finish)``."""
+        with self._lock:
+            (start, finish), = schedule([(posted_at, nbytes)], self.nodes,
+                                        self.latency, self.bandwidth / 8.0,
+                                        self.free_at)
+            self.free_at = finish
+        return start, finish
+
+    def label(self):
+        return ('emulation: ring allreduce over {} virtual nodes, {:g} Gbit/s,'
+                ' alpha {:g} us'.format(self.nodes, self.bandwidth / 1e9,
+                                        self.latency * 1e6))
+
+    def describe(self):
+        return {'emulation': True, 'model': 'alpha-beta ring allreduce, '
+                'collectives serialised on one link',
+                'nodes': self.nodes, 'bandwidth_bit_per_s': self.bandwidth,
+                'latency_s': self.latency, 'label': self.label()}
+
+
+def _sleep_until(deadline):
+    # time.sleep releases the GIL, so the training thread keeps computing.
+    while True:
+        left = deadline - time.perf_counter()
+        if left <= 0:
+            return
+        time.sleep(left)
+
+
+# ----------------------------------------------------------------------------
+# The backend.
+
+class EmulatedBackend(backends.CommunicationBackend):
+    """Real reductions whose completion follows :class:`LinkModel`.
+
+    A communication thread takes posted reductions in order, runs the real
+    allreduce over the processes that exist (skipped for one process, where
+    it is the identity), then waits until the model's finish time and
+    completes the handle.  If the real reduction is slower than the model,
+    completion is as late as the real one (the model cannot make it faster);
+    ``late`` counts such collectives.
+
+    Args:
+        mpi_comm: ``mpi4py`` communicator, or ``None`` for one process.
+        nodes, bandwidth, latency: the link, as in :class:`LinkModel`;
+            default :data:`DEFAULTS` overridden by ``CHAINERMN_OVERLAP_
+            EMULATION``.
+    """
+
+    name = 'emulated'
+
+    def __init__(self, mpi_comm, nodes=None, bandwidth=None, latency=None):
+        settings = dict(DEFAULTS)
+        settings.update(parse_settings(os.environ.get(ENV_VAR, '')))
+        for key, value in (('nodes', nodes), ('bandwidth', bandwidth),
+                           ('latency', latency)):
+            if value is not None:
+                settings[key] = value
+        self.link = LinkModel(**settings)
+        self.rank = 0 if mpi_comm is None else mpi_comm.Get_rank()
+        self.comm = (None if mpi_comm is None or mpi_comm.Get_size() == 1
+                     else mpi_comm.Dup())
+        self.late = 0
+        self._queue = queue.Queue()
+        self._failed = None
+        self._closed = False
+        self._thread = threading.Thread(
+            target=self._run, name='chainermn_overlap-emulated', daemon=True)
+        self._thread.start()
+        backends._LIVE.add(self)
+
+    def allreduce(self, array, op='sum', label=None):
+        if self._closed:
+            raise RuntimeError('the emulated communication backend was '
+                               'closed; create a new optimizer')
+        if not isinstance(array, numpy.ndarray):
+            raise TypeError('the emulated backend runs on CPU (numpy) arrays '
+                            'only, got {}'.format(type(array).__name__))
+        label = label or 'array of {} elements'.format(array.size)
+        handle = backends.Handle(label, None, nbytes=array.nbytes)
+        self._queue.put((array, op, handle))
+        return handle
+
+    def _run(self):
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            buf, op, handle = item
+            start, finish = self.link.reserve(handle.posted_at, buf.nbytes)
+            handle.started_at = start
+            if self._failed is not None:
+                handle.error = RuntimeError(
+                    'not attempted: an earlier reduction on rank {} failed '
+                    '({})'.format(self.rank, self._failed))
+            else:
+                try:
+                    if self.comm is not None:
+                        from mpi4py import MPI
+                        self.comm.Allreduce(MPI.IN_PLACE, buf,
+                                            op=backends._mpi_op(op))
+                    if time.perf_counter() > finish:
+                        self.late += 1
+                    _sleep_until(finish)
+                except Exception as e:  # reported to the waiting thread
+                    self._failed = e
+                    handle.error = RuntimeError(
+                        'rank {}: {}'.format(self.rank, e))
+            handle.finished_at = time.perf_counter()
+            handle._event.set()
+
+    def close(self):
+        if self._closed:
+            return
+        self._closed = True
+        self._queue.put(None)
+        self._thread.join()
+        if self.comm is not None:
+            try:
+                self.comm.Free()
+            except Exception:  # MPI may already be finalized at exit
+                pass
+        backends._LIVE.discard(self)
+
+
+backends.register_backend(EmulatedBackend.name, EmulatedBackend)
+
+
+def configure(nodes, bandwidth, latency=DEFAULTS['latency']):
+    """Registers an emulated backend with these settings; returns its name.
+
+    Args:
+        nodes (int): virtual nodes in the ring.
+        bandwidth (float or str): link rate in bit/s, or e.g. ``'10gbit'``.
+        latency (float or str): seconds per ring step, or e.g. ``'25us'``.
+
+    Returns:
+        str: a backend name for ``backend=`` of the optimizers, e.g.
+        ``'emulated:nodes=16,bandwidth=1e+10,latency=2.5e-05'``.
+    """
+    link = LinkModel(nodes, bandwidth, latency)  # validates
+    name = 'emulated:nodes={},bandwidth={:g},latency={:g}'.format(
+        link.nodes, link.bandwidth, link.latency)
+    backends.register_backend(name, functools.partial(
+        EmulatedBackend, nodes=link.nodes, bandwidth=link.bandwidth,
+        latency=link.latency))
+    return name
+
+
+class EmulatedCommunicator(object):
+    """A ChainerMN communicator whose gradient averaging is timed by a model.
+
+    For ChainerMN's blocking optimizer, which calls
+    ``communicator.multi_node_mean_grad`` directly: the real averaging runs,
+    then the call returns when one fused ring allreduce of all gradients
+    would have finished on ``link`` (as ChainerMN's ``flat`` communicator
+    packs them; the ``naive`` one would pay the latency once per array).
+    Everything else is delegated to the wrapped communicator.
+
+    Args:
+        communicator: a ChainerMN communicator.
+        link (LinkModel): the emulated link.
+    """
+
+    def __init__(self, communicator, link):
+        object.__setattr__(self, '_comm', communicator)
+        object.__setattr__(self, 'link', link)
+
+    def multi_node_mean_grad(self, model, zero_fill=False):
+        nbytes = 0
+        for param in model.params():
+            if param.array is None:
+                continue
+            if param.grad is not None or zero_fill:
+                nbytes += param.array.nbytes
+        posted = time.perf_counter()
+        self._comm.multi_node_mean_grad(model, zero_fill)
+        _, finish = self.link.reserve(posted, nbytes)
+        _sleep_until(finish)
+
+    def __getattr__(self, name):
+        return getattr(self._comm, name)
