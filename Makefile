@@ -26,7 +26,7 @@ $(STAMP): requirements.txt requirements-test.txt constraints.txt setup.py
 
 demo: venv
 	$(MPIEXEC) -n 2 $(PY) examples/imagenet/train_imagenet.py --arch resnet50 \
-	    --batchsize 2 --iterations 6 --insize 224
+	    --optimizer overlap --batchsize 2 --iterations 6 --insize 224
 
 test: venv test-unit test-mpi
 
