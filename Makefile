@@ -44,3 +44,9 @@ bench: venv
 
 clean:
 	rm -rf $(VENV) .mpi-logs build *.egg-info
+
+# Spatial parallelism (distconv): strong scaling at 1, 2 and 4 processes,
+# memory per process, exposed halo time; benchmarks/results/spatial.json.
+.PHONY: bench-spatial
+bench-spatial: venv
+	$(PY) benchmarks/spatial_bench.py

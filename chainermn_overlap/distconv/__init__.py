@@ -27,6 +27,35 @@ Exactness:
     the statistics of the whole global batch. Every backward is the exact
     adjoint (vector-Jacobian product) of its forward.
 
+Performance:
+    * Overlap (``SpatialGrid(comm, shape, overlap=True)``, the default):
+      convolutions and poolings post their halo messages, compute the
+      interior of their output block (windows inside the owned block) on a
+      view of the block, then wait and compute the ``2 * ndim`` boundary
+      slabs (edges and corners, for 1, 2 or 3 split dimensions). In
+      backward the halo gradients are posted before the interior's input
+      and weight gradients are computed. ``grid.overlap = False`` selects
+      the blocking exchange (needed for double backpropagation). Layers
+      whose windows never leave the owned block (1x1 convolutions, aligned
+      pooling) exchange nothing.
+    * Validation (``check='cached'``, the default): each distinct input
+      geometry is validated once with an allgather; later calls agree on a
+      fingerprint with one tiny allreduce, and fall back to the full check
+      on every rank if any rank disagrees, so bad input still raises the
+      same error everywhere. ``grid.stats`` counts paths and validations and
+      times the halo waits (``forward_wait_s``, ``backward_wait_s``).
+    * Memory: no process allocates a full-size activation; the overlapped
+      path does not even copy its block (only thin slabs). Create inputs
+      per block (``grid.block``, ``grid.sample_range``), not with
+      ``scatter`` of a global batch, on the training path.
+
+Per-stage strategies (hybrid sample x spatial):
+    Keep a mapping stage -> ``'spatial'`` or ``'sample'``; run spatial
+    stages with these layers, call :func:`to_sample_layout` at the boundary,
+    and use plain Chainer layers with
+    ``BatchNormalization(grid, size, layout='sample')`` (global statistics)
+    afterwards. See ``examples/spatial/train_resnet50_spatial.py``.
+
 Training (what a user must do):
     After ``loss.backward()`` the parameter gradients *summed over all
     processes* are the gradient of the *sum of the processes' losses*

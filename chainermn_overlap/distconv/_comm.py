@@ -10,9 +10,11 @@ import numpy
 from chainer import backend
 from mpi4py import MPI
 
-# One tag for every distconv message: each exchange completes before the
-# next one starts and MPI keeps messages between a pair in order, so a
-# single tag cannot mismatch on the grid's private communicators.
+# One tag for every distconv message. Several exchanges can be in flight at
+# once (overlapped layers in different branches during backward), but every
+# process of a group posts them in the same order (the same graph is run
+# everywhere) and MPI keeps messages between a pair in order, so a single
+# tag cannot mismatch on the grid's private communicators.
 _TAG = 7301
 
 
@@ -34,8 +36,38 @@ def like(host, template):
     return backend.get_device_from_array(template).send(host)
 
 
-def exchange(mpi_comm, sends, recvs, template):
-    """Sends and receives packed buffers with non-blocking point-to-point.
+class PendingExchange(object):
+    """Point-to-point messages in flight; :meth:`wait` completes them.
+
+    Args:
+        requests (list): The mpi4py requests.
+        host_recv (list): Host buffers the receives land in.
+        host_send (list): Host send buffers, kept alive until completion.
+        template: An array giving the device of the received arrays.
+    """
+
+    def __init__(self, requests, host_recv, host_send, template):
+        self.requests = requests
+        self.host_recv = host_recv
+        self.host_send = host_send
+        self.template = template
+
+    def wait(self):
+        """Waits for every message; returns the received arrays.
+
+        Returns:
+            list: The received arrays, in the order of the posted receives,
+            on the device of the template.
+        """
+        if self.requests:
+            MPI.Request.Waitall(self.requests)
+        self.requests = []
+        self.host_send = []
+        return [like(buf, self.template) for buf in self.host_recv]
+
+
+def post_exchange(mpi_comm, sends, recvs, template):
+    """Posts non-blocking point-to-point sends and receives.
 
     Args:
         mpi_comm: The mpi4py communicator (the grid's private one).
@@ -44,8 +76,7 @@ def exchange(mpi_comm, sends, recvs, template):
         template: An array giving the dtype and device of received buffers.
 
     Returns:
-        list: The received arrays, in the order of ``recvs``, on the device
-        of ``template``.
+        PendingExchange: Call its ``wait()`` to complete the messages.
     """
     dtype = template.dtype
     host_recv = [numpy.empty(shape, dtype=dtype) for _, shape in recvs]
@@ -60,8 +91,19 @@ def exchange(mpi_comm, sends, recvs, template):
         buf = to_host(arr)
         host_send.append(buf)  # keep alive until Waitall
         requests.append(mpi_comm.Isend([buf, MPI.BYTE], dest=peer, tag=_TAG))
-    MPI.Request.Waitall(requests)
-    return [like(buf, template) for buf in host_recv]
+    return PendingExchange(requests, host_recv, host_send, template)
+
+
+def exchange(mpi_comm, sends, recvs, template):
+    """Sends and receives packed buffers and waits for them.
+
+    Same arguments as :func:`post_exchange`.
+
+    Returns:
+        list: The received arrays, in the order of ``recvs``, on the device
+        of ``template``.
+    """
+    return post_exchange(mpi_comm, sends, recvs, template).wait()
 
 
 def allreduce_sum(mpi_comm, arr, out_dtype=None):

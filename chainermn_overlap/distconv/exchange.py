@@ -1,7 +1,11 @@
 """The general region (halo) exchange and its adjoint, as FunctionNodes."""
+import time
+
 import chainer
 from chainer import backend
 from chainer import function_node
+import chainer.functions
+import numpy
 
 from chainermn_overlap.distconv import _comm
 from chainermn_overlap.distconv import geometry
@@ -50,7 +54,11 @@ class RegionExchange(function_node.FunctionNode):
                  for peer, box in plan.sends]
         recvs = [(peer, lead + geometry.box_shape(box))
                  for peer, box in plan.recvs]
+        t0 = time.perf_counter()
         got = _comm.exchange(self.grid.mpi_spatial, sends, recvs, x)
+        # Blocking: the whole exchange is exposed (compare with the waits
+        # of the overlapped path, HaloFinish/HaloStart).
+        self.grid.stats['forward_wait_s'] += time.perf_counter() - t0
         for (_, box), buf in zip(plan.recvs, got):
             y[_sel(box, ext0)] = buf
         return y,
@@ -93,7 +101,9 @@ class RegionExchangeAdjoint(function_node.FunctionNode):
                  for peer, box in plan.recvs]
         recvs = [(peer, lead + geometry.box_shape(box))
                  for peer, box in plan.sends]
+        t0 = time.perf_counter()
         got = _comm.exchange(self.grid.mpi_spatial, sends, recvs, g)
+        self.grid.stats['backward_wait_s'] += time.perf_counter() - t0
         for (_, box), buf in zip(plan.sends, got):
             gx[_sel(box, own0)] += buf
         return gx,
@@ -142,3 +152,211 @@ class ZeroBlock(function_node.FunctionNode):
     def backward(self, indexes, grad_outputs):
         return tuple(chainer.Variable(self._xp.zeros(*self._in[i]))
                      for i in indexes)
+
+
+def _check_no_double_backprop():
+    if chainer.config.enable_backprop:
+        raise NotImplementedError(
+            'distconv: double backpropagation through an overlapped halo '
+            'exchange is not supported. Set grid.overlap = False for that '
+            'computation (the blocking exchange supports it).')
+
+
+class HaloState(object):
+    """What the two halves of an overlapped exchange share.
+
+    :class:`HaloStart` posts the messages, :class:`HaloFinish` waits for
+    them; in backward :class:`HaloFinish` posts the adjoint messages and
+    :class:`HaloStart` waits for them, so that computation scheduled
+    between the two halves (the interior of the output) hides them.
+
+    Args:
+        grid (SpatialGrid): The grid.
+        plan (geometry.ExchangePlan): This process's plan.
+    """
+
+    def __init__(self, grid, plan):
+        self.grid = grid
+        self.plan = plan
+        self.pending = None
+        self.adjoint_pending = None
+        self.x_shape = None
+
+
+class HaloStart(function_node.FunctionNode):
+    """First half of an overlapped exchange: posts the halo messages.
+
+    Its output is an empty array that only orders the graph: the second
+    half takes it as input, so in backward this node (which waits for the
+    adjoint messages) runs after the second half and after everything
+    scheduled between them.
+
+    Args:
+        state (HaloState): Shared with the matching :class:`HaloFinish`.
+    """
+
+    def __init__(self, state):
+        self.state = state
+
+    def forward(self, inputs):
+        x, = inputs
+        st = self.state
+        plan = st.plan
+        xp = backend.get_array_module(x)
+        own0 = _origin(plan.own)
+        st.x_shape, st.dtype = x.shape, x.dtype
+        sends = [(peer, xp.ascontiguousarray(x[_sel(box, own0)]))
+                 for peer, box in plan.sends]
+        recvs = [(peer, x.shape[:2] + geometry.box_shape(box))
+                 for peer, box in plan.recvs]
+        st.pending = _comm.post_exchange(st.grid.mpi_spatial, sends, recvs,
+                                         x)
+        return xp.zeros((0,), dtype=x.dtype),
+
+    def backward(self, indexes, grad_outputs):
+        _check_no_double_backprop()
+        st = self.state
+        plan = st.plan
+        t0 = time.perf_counter()
+        got = st.adjoint_pending.wait()
+        st.grid.stats['backward_wait_s'] += time.perf_counter() - t0
+        st.adjoint_pending = None
+        # The token's gradient (an empty array from HaloFinish.backward) is
+        # on the device of the block.
+        xp = backend.get_array_module(grad_outputs[0].array)
+        gx = xp.zeros(st.x_shape, dtype=st.dtype)
+        own0 = _origin(plan.own)
+        for (_, box), buf in zip(plan.sends, got):
+            gx[_sel(box, own0)] += buf
+        return chainer.Variable(gx),
+
+
+class HaloFinish(function_node.FunctionNode):
+    """Second half of an overlapped exchange: waits, builds input boxes.
+
+    Inputs are ``(x, token, after)``: this process's block, the output of
+    :class:`HaloStart`, and any variable computed in between (the interior
+    output), which only places this node after it in the graph. Outputs
+    are the requested global boxes, each filled from the local block, the
+    received halos and ``fill`` for padding. In backward, the gradients of
+    those boxes are split into the local part (returned) and the parts of
+    other processes, which are posted back to their owners at once.
+
+    Args:
+        state (HaloState): Shared with the matching :class:`HaloStart`.
+        boxes (list of tuple): Global boxes to build.
+        fill (float): Value of cells outside the global extent.
+    """
+
+    def __init__(self, state, boxes, fill):
+        self.state = state
+        self.boxes = boxes
+        self.fill = fill
+
+    def forward(self, inputs):
+        x, _, _ = inputs
+        st = self.state
+        plan = st.plan
+        xp = backend.get_array_module(x)
+        t0 = time.perf_counter()
+        got = st.pending.wait()
+        st.grid.stats['forward_wait_s'] += time.perf_counter() - t0
+        st.pending = None
+        own0 = _origin(plan.own)
+        lead = x.shape[:2]
+        outs = []
+        for box in self.boxes:
+            out = xp.full(lead + geometry.box_shape(box), self.fill,
+                          dtype=x.dtype)
+            if not geometry.box_is_empty(box):
+                o0 = _origin(box)
+                if plan.local is not None:
+                    part = geometry.intersect(plan.local, box)
+                    if not geometry.box_is_empty(part):
+                        out[_sel(part, o0)] = x[_sel(part, own0)]
+                for (_, rbox), buf in zip(plan.recvs, got):
+                    part = geometry.intersect(rbox, box)
+                    if not geometry.box_is_empty(part):
+                        out[_sel(part, o0)] = buf[_sel(part, _origin(rbox))]
+            outs.append(out)
+        return tuple(outs)
+
+    def backward(self, indexes, grad_outputs):
+        _check_no_double_backprop()
+        st = self.state
+        if 0 not in indexes:
+            # The block needs no gradient (e.g. the network input): the
+            # same on every process, so no adjoint messages on any.
+            return (None,) * len(indexes)
+        plan = st.plan
+        grads = [None if g is None else g.array for g in grad_outputs]
+        arrays = [g for g in grads if g is not None]
+        xp = backend.get_array_module(*arrays) if arrays else numpy
+        lead = st.x_shape[:2]
+        own0 = _origin(plan.own)
+        gx = xp.zeros(st.x_shape, dtype=st.dtype)
+        back = [xp.zeros(lead + geometry.box_shape(rbox), dtype=st.dtype)
+                for _, rbox in plan.recvs]
+        for box, g in zip(self.boxes, grads):
+            if g is None or geometry.box_is_empty(box):
+                continue
+            o0 = _origin(box)
+            if plan.local is not None:
+                part = geometry.intersect(plan.local, box)
+                if not geometry.box_is_empty(part):
+                    gx[_sel(part, own0)] += g[_sel(part, o0)]
+            for (_, rbox), buf in zip(plan.recvs, back):
+                part = geometry.intersect(rbox, box)
+                if not geometry.box_is_empty(part):
+                    buf[_sel(part, _origin(rbox))] += g[_sel(part, o0)]
+        # The roles are mirrored: what was received goes back to its owner;
+        # the owner waits for it in HaloStart.backward.
+        template = gx
+        st.adjoint_pending = _comm.post_exchange(
+            st.grid.mpi_spatial,
+            [(peer, buf) for (peer, _), buf in zip(plan.recvs, back)],
+            [(peer, lead + geometry.box_shape(box))
+             for peer, box in plan.sends], template)
+        out = []
+        for i in indexes:
+            if i == 0:
+                out.append(chainer.Variable(gx))
+            elif i == 1:
+                # Non-None, so that Chainer goes on to HaloStart.backward.
+                out.append(chainer.Variable(xp.zeros((0,), dtype=st.dtype)))
+            else:
+                out.append(None)
+        return tuple(out)
+
+
+class Assemble(function_node.FunctionNode):
+    """Places pieces that tile a box into one array (and back in backward).
+
+    Args:
+        box (tuple): The global box of the output.
+        piece_boxes (list of tuple): The global box of each input piece;
+            together they tile ``box``.
+    """
+
+    def __init__(self, box, piece_boxes):
+        self.box = box
+        self.piece_boxes = piece_boxes
+
+    def forward(self, inputs):
+        xp = backend.get_array_module(*inputs)
+        lead = inputs[0].shape[:2]
+        o0 = _origin(self.box)
+        y = xp.empty(lead + geometry.box_shape(self.box),
+                     dtype=inputs[0].dtype)
+        for piece, pbox in zip(inputs, self.piece_boxes):
+            if piece.size:
+                y[_sel(pbox, o0)] = piece
+        return y,
+
+    def backward(self, indexes, grad_outputs):
+        gy, = grad_outputs
+        if gy is None:
+            return (None,) * len(indexes)
+        o0 = _origin(self.box)
+        return tuple(chainer.functions.get_item(
+            gy, _sel(self.piece_boxes[i], o0)) for i in indexes)

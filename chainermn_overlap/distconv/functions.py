@@ -45,12 +45,38 @@ def _shape_of(v):
     return tuple(v.shape) if v.shape is not None else None
 
 
-def _window_exchange(grid, x, layer, layout, ksize, stride, pad, dilate,
-                     cover_all, fill):
-    """Fetches the input box of this process's output block.
+def _window_apply(grid, x, layer, layout, ksize, stride, pad, dilate,
+                  cover_all, fill, op, out_channels, extra=(), depth=1):
+    """Runs a window operation on this process's output block.
+
+    Three paths, chosen from global information only (so every process
+    builds the same graph, which keeps the order of collective operations
+    in backward the same everywhere):
+
+    * no process needs cells it does not own (1x1 kernels, aligned
+      pooling): ``op`` runs on a view of the block, without messages;
+    * ``grid.overlap``: the halo messages are posted, the interior of the
+      output (windows inside the owned block) is computed on a view of the
+      block while they are in flight, then the boundary slabs are computed
+      from small boxes built from the block, the halos and the padding. In
+      backward the adjoint messages are posted before the interior's
+      gradients (input and parameters) are computed. No copy of the whole
+      block is made;
+    * otherwise the blocking :class:`RegionExchange` builds the whole
+      needed box (block, halos and padding) and ``op`` runs on it.
+
+    Args:
+        op (callable): ``op(x_in, in_box)`` runs the Chainer function
+            without padding on the input box ``x_in`` (global box
+            ``in_box``) and returns a Variable.
+        out_channels (int): Channels of the output.
+        extra (tuple): Other inputs of ``op`` (parameters), given gradients
+            (zeros) where a piece is empty.
+        depth (int): Number of FunctionNodes ``op`` chains, mirrored on
+            empty pieces so that every process's graph has the same depth.
 
     Returns:
-        tuple: ``(x_ext, out_block_shape)``.
+        chainer.Variable: This process's output block.
     """
     in_shape = layout.spatial_shape
     out_shape = tuple(geometry.output_size(n, k, s, p, d, cover_all)
@@ -62,11 +88,46 @@ def _window_exchange(grid, x, layer, layout, ksize, stride, pad, dilate,
             'ksize=%r, stride=%r, pad=%r, dilate=%r (output size %r). Use '
             'a larger input, more padding or a smaller kernel.'
             % (layer, in_shape, ksize, stride, pad, dilate, out_shape))
-    plan, _, out_box = geometry.window_plan(
+    (plan, _, out_box, interior, slabs, interior_in, slab_ins,
+     any_halo) = geometry.overlap_plan(
         in_shape, grid.shape, ksize, stride, pad, dilate, bool(cover_all),
         grid.spatial_rank)
-    x_ext = exchange.region_exchange(grid, x, plan, fill)
-    return x_ext, geometry.box_shape(out_box)
+    lead = (x.shape[0], out_channels)
+
+    def run(x_in, in_box, box):
+        shape = lead + geometry.box_shape(box)
+        if numpy.prod(shape) == 0:
+            y = exchange.ZeroBlock(shape).apply((x_in,) + tuple(extra))[0]
+            for _ in range(depth - 1):
+                y = F.identity(y)
+            return y
+        return op(x_in, in_box)
+
+    own0 = tuple(iv[0] for iv in plan.own)
+    if not any_halo:
+        grid.stats['exchange_none'] += 1
+        box = plan.ext if not geometry.box_is_empty(out_box) else tuple(
+            (lo, lo) for lo in own0)
+        return run(x[(Ellipsis,) + geometry.box_slices(box, own0)], box,
+                   out_box)
+    if not grid.overlap:
+        grid.stats['exchange_blocking'] += 1
+        x_ext = exchange.region_exchange(grid, x, plan, fill)
+        return run(x_ext, plan.ext, out_box)
+    grid.stats['exchange_overlapped'] += 1
+    state = exchange.HaloState(grid, plan)
+    token = exchange.HaloStart(state).apply((x,))[0]
+    if geometry.box_is_empty(interior):
+        int_sel = tuple(slice(0, 0) for _ in own0)
+    else:
+        int_sel = geometry.box_slices(interior_in, own0)
+    y_int = run(x[(Ellipsis,) + int_sel], interior_in, interior)
+    x_slabs = exchange.HaloFinish(state, slab_ins, fill).apply(
+        (x, token, y_int))
+    ys = [run(xs, box, slab)
+          for xs, box, slab in zip(x_slabs, slab_ins, slabs)]
+    return exchange.Assemble(out_box, [interior] + list(slabs)).apply(
+        [y_int] + ys)[0]
 
 
 def _check_grid_ndim(grid, ndim, layer):
@@ -125,17 +186,17 @@ def convolution_nd(grid, x, W, b=None, stride=1, pad=0, cover_all=False,
             '%s: input has %d channels but W %r with groups=%d expects %d '
             '(and C_out divisible by groups). Match in_channels to the '
             'input.' % (layer, layout.channels, W.shape, groups, c_in))
-    x_ext, out_block = _window_exchange(grid, x, layer, layout, ksize, stride,
-                                        pad, dilate, cover_all, 0)
-    out_shape = (x.shape[0], c_out) + out_block
-    inputs = (x_ext, W) + ((b,) if b is not None else ())
-    if numpy.prod(out_shape) == 0:
-        return exchange.ZeroBlock(out_shape).apply(inputs)[0]
-    if ndim == 2:
-        return F.convolution_2d(x_ext, W, b, stride, 0, dilate=dilate,
+
+    def op(x_in, in_box):
+        if ndim == 2:
+            return F.convolution_2d(x_in, W, b, stride, 0, dilate=dilate,
+                                    groups=groups)
+        return F.convolution_nd(x_in, W, b, stride, 0, dilate=dilate,
                                 groups=groups)
-    return F.convolution_nd(x_ext, W, b, stride, 0, dilate=dilate,
-                            groups=groups)
+
+    params = (W,) + ((b,) if b is not None else ())
+    return _window_apply(grid, x, layer, layout, ksize, stride, pad, dilate,
+                         cover_all, 0, op, c_out, params)
 
 
 def convolution_2d(grid, x, W, b=None, stride=1, pad=0, cover_all=False,
@@ -200,13 +261,13 @@ def _max_pooling(grid, x, ksize, stride, pad, cover_all, return_indices,
             'would refer to the exchanged halo box, not to the input block. '
             'Call it with return_indices=False.' % layer)
     ksize, stride, pad = _pool_args(grid, layer, ksize, stride, pad)
-    x_ext, out_block = _window_exchange(
-        grid, x, layer, layout, ksize, stride, pad, (1,) * grid.ndim,
-        cover_all, -numpy.inf)
-    out_shape = x.shape[:2] + out_block
-    if numpy.prod(out_shape) == 0:
-        return exchange.ZeroBlock(out_shape).apply((x_ext,))[0]
-    return F.max_pooling_nd(x_ext, ksize, stride, 0, cover_all=False)
+
+    def op(x_in, in_box):
+        return F.max_pooling_nd(x_in, ksize, stride, 0, cover_all=False)
+
+    return _window_apply(grid, x, layer, layout, ksize, stride, pad,
+                         (1,) * grid.ndim, cover_all, -numpy.inf, op,
+                         layout.channels)
 
 
 def average_pooling_nd(grid, x, ksize, stride=None, pad=0, pad_value=0):
@@ -249,36 +310,33 @@ def _average_pooling(grid, x, ksize, stride, pad, pad_value, layer):
             '%s: pad_value must be 0 or None (as in Chainer), got %r'
             % (layer, pad_value))
     ksize, stride, pad = _pool_args(grid, layer, ksize, stride, pad)
-    x_ext, out_block = _window_exchange(
-        grid, x, layer, layout, ksize, stride, pad, (1,) * grid.ndim,
-        False, 0)
-    out_shape = x.shape[:2] + out_block
-    if numpy.prod(out_shape) == 0:
-        return exchange.ZeroBlock(out_shape).apply((x_ext,))[0]
-    y = F.average_pooling_nd(x_ext, ksize, stride, 0)
-    if pad_value is None:
-        # Chainer divides by the number of non-padding cells per window; the
-        # exchanged box knows where the global border is, so a mask of
-        # in-bounds cells pooled the same way gives that count's fraction.
-        y = y * _inside_fraction_inverse(grid, x_ext, layout, ksize, stride,
-                                         pad)
-    return y
+
+    def op(x_in, in_box):
+        y = F.average_pooling_nd(x_in, ksize, stride, 0)
+        if pad_value is None:
+            # Chainer divides by the number of non-padding cells per
+            # window; the input box knows where the global border is, so a
+            # mask of in-bounds cells pooled the same way gives that
+            # count's fraction.
+            y = y * _inside_fraction_inverse(x_in, in_box, layout, ksize,
+                                             stride)
+        return y
+
+    return _window_apply(grid, x, layer, layout, ksize, stride, pad,
+                         (1,) * grid.ndim, False, 0, op, layout.channels,
+                         depth=2 if pad_value is None else 1)
 
 
-def _inside_fraction_inverse(grid, x_ext, layout, ksize, stride, pad):
-    xp = backend.get_array_module(x_ext.array)
-    plan, _, _ = geometry.window_plan(
-        layout.spatial_shape, grid.shape, ksize, stride, pad,
-        (1,) * grid.ndim, False, grid.spatial_rank)
-    mask = xp.zeros((1, 1) + geometry.box_shape(plan.ext),
-                    dtype=x_ext.dtype)
-    inside = geometry.clip(plan.ext, layout.spatial_shape)
+def _inside_fraction_inverse(x_in, in_box, layout, ksize, stride):
+    xp = backend.get_array_module(x_in.array)
+    mask = xp.zeros((1, 1) + geometry.box_shape(in_box), dtype=x_in.dtype)
+    inside = geometry.clip(in_box, layout.spatial_shape)
     if not geometry.box_is_empty(inside):
-        origin = tuple(iv[0] for iv in plan.ext)
+        origin = tuple(iv[0] for iv in in_box)
         mask[(Ellipsis,) + geometry.box_slices(inside, origin)] = 1
     frac = F.average_pooling_nd(mask, ksize, stride, 0).array
     with numpy.errstate(divide='ignore'):
-        return xp.broadcast_to(1 / frac, x_ext.shape[:2] + frac.shape[2:])
+        return xp.broadcast_to(1 / frac, x_in.shape[:2] + frac.shape[2:])
 
 
 class SpatialAllreduce(function_node.FunctionNode):

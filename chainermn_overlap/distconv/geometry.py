@@ -273,3 +273,96 @@ def window_plan(in_shape, grid_shape, ksize, stride, pad, dilate, cover_all,
 def all_grid_coords(grid_shape):
     """All coordinates of a grid in spatial-rank order."""
     return list(itertools.product(*[range(p) for p in grid_shape]))
+
+
+def interior_interval(out_iv, own_iv, ksize, stride, pad, dilate=1):
+    """Outputs of ``out_iv`` whose windows lie inside ``own_iv``.
+
+    These outputs read only cells this process owns (no halo, no padding),
+    so they can be computed while the halo is still in flight.
+
+    Args:
+        out_iv (tuple): This process's output interval ``(lo, hi)``.
+        own_iv (tuple): The input interval this process owns.
+        ksize, stride, pad, dilate (int): Window parameters.
+
+    Returns:
+        tuple: ``(lo, hi)`` inside ``out_iv``; empty (``lo >= hi``) if no
+        output qualifies.
+    """
+    dk = dilated_ksize(ksize, dilate)
+    # Window of output o: [o * stride - pad, o * stride - pad + dk).
+    lo = max(out_iv[0], -((-own_iv[0] - pad) // stride))  # ceil division
+    hi = min(out_iv[1], (own_iv[1] - dk + pad) // stride + 1)
+    return (lo, hi) if hi > lo else (out_iv[0], out_iv[0])
+
+
+def split_interior(out_box, interior):
+    """Splits ``out_box`` into the interior box and ``2 * ndim`` slabs.
+
+    Slab ``2k`` (``2k + 1``) holds the outputs below (above) the interior
+    along dimension ``k``, restricted to the interior along dimensions
+    before ``k`` and spanning ``out_box`` along dimensions after it, so the
+    interior and the slabs tile ``out_box`` exactly (diagonal corner cells
+    belong to the slab of the first dimension). The number of slabs does
+    not depend on the process, which keeps the computational graph (and so
+    the order of collective operations in backward) the same on every
+    process; slabs may be empty.
+
+    Args:
+        out_box (tuple): The output box.
+        interior (tuple): A box inside ``out_box``; if it is empty in any
+            dimension, the whole output goes to the first slabs.
+
+    Returns:
+        list: ``2 * ndim`` boxes (possibly empty).
+    """
+    ndim = len(out_box)
+    if box_is_empty(interior):
+        # No interior: the whole box is "below" the (empty) interior along
+        # the first dimension; every other slab is empty.
+        empty = tuple((iv[0], iv[0]) for iv in out_box)
+        return [tuple(out_box)] + [empty] * (2 * ndim - 1)
+    slabs = []
+    for k in range(ndim):
+        before = tuple(interior[:k])
+        after = tuple(out_box[k + 1:])
+        slabs.append(before + ((out_box[k][0], interior[k][0]),) + after)
+        slabs.append(before + ((interior[k][1], out_box[k][1]),) + after)
+    return slabs
+
+
+@functools.lru_cache(maxsize=1024)
+def overlap_plan(in_shape, grid_shape, ksize, stride, pad, dilate, cover_all,
+                 spatial_rank):
+    """Plans an overlapped window operation for one process.
+
+    Returns:
+        tuple: ``(plan, out_shape, out_box, interior, slabs, interior_in,
+        slab_ins, any_halo)``: :func:`window_plan`'s plan, output extent
+        and box; the interior output box and its input box (inside the
+        owned block); the ``2 * ndim`` boundary slabs and their input boxes
+        (which may reach into halos and padding); and ``any_halo``, True if
+        any process of the grid needs cells it does not own (halo or
+        padding), the same on every process.
+    """
+    plan, out_shape, out_box = window_plan(
+        in_shape, grid_shape, ksize, stride, pad, dilate, cover_all,
+        spatial_rank)
+    interior = tuple(
+        interior_interval(o, w, k, s, p, d) for o, w, k, s, p, d
+        in zip(out_box, plan.own, ksize, stride, pad, dilate))
+    slabs = split_interior(out_box, interior)
+    interior_in = window_input_box(interior, ksize, stride, pad, dilate)
+    slab_ins = [window_input_box(b, ksize, stride, pad, dilate)
+                for b in slabs]
+    any_halo = False
+    for r in range(grid_size(grid_shape)):
+        p_r, _, ob_r = window_plan(in_shape, grid_shape, ksize, stride, pad,
+                                   dilate, cover_all, r)
+        if not box_is_empty(ob_r) and (
+                intersect(p_r.ext, p_r.own) != tuple(p_r.ext)):
+            any_halo = True
+            break
+    return (plan, out_shape, out_box, interior, slabs, interior_in,
+            slab_ins, any_halo)

@@ -1,5 +1,6 @@
 """The process grid of spatial parallelism and the block layout of tensors."""
 import collections
+import hashlib
 
 import chainer
 from chainer import backend
@@ -7,6 +8,7 @@ import numpy
 
 from chainermn_overlap.distconv import _comm
 from chainermn_overlap.distconv import geometry
+from mpi4py import MPI
 
 _AXIS_NAMES = {1: ('W',), 2: ('H', 'W'), 3: ('D', 'H', 'W')}
 
@@ -38,17 +40,29 @@ class SpatialGrid(object):
     balanced ranges of samples, like data parallelism does.
 
     A tensor in *spatial layout* has shape ``(N_group, C, *block)`` on each
-    process. The block sizes are not stored anywhere: every distconv
-    operation allgathers the local shapes (a few integers), derives the
-    global extent and checks that the blocks match this layout, so wrong
-    inputs raise the same :class:`ValueError` on every rank instead of
-    hanging.
+    process. The block sizes are not stored anywhere: the first time a
+    layer sees an input geometry, the processes allgather their local
+    shapes (a few integers), derive the global extent and check that the
+    blocks match this layout, so wrong inputs raise the same
+    :class:`ValueError` on every rank instead of hanging. The result is
+    cached per local geometry; later calls only agree on a 64-bit
+    fingerprint of the cached layout with one tiny allreduce, and fall back
+    to the full check on every rank as soon as any rank misses its cache or
+    disagrees (so the guarantee holds, at a fraction of the cost).
 
     Args:
         comm: A ChainerMN communicator (or an mpi4py communicator). Its size
             must be a multiple of ``prod(shape)``.
         shape (tuple of int): Processes per spatial dimension, e.g. ``(H, W)``
             or ``(D, H, W)``.
+        overlap (bool): If True (default), window operations (convolution,
+            pooling) compute the interior of their output block while the
+            halo is in flight, in forward and in backward. Must be the same
+            on every process; it can be changed between iterations through
+            the attribute of the same name.
+        check (str): ``'cached'`` (default) validates each distinct input
+            geometry once and then agrees on a fingerprint; ``'always'``
+            runs the full allgather check on every call.
 
     Attributes:
         shape (tuple of int): The grid shape.
@@ -60,9 +74,16 @@ class SpatialGrid(object):
         group (int): This process's sample group.
         spatial_rank (int): This process's rank inside its group.
         coords (tuple of int): This process's grid coordinates.
+        overlap (bool): See the argument.
+        stats (collections.Counter): Counters and seconds since the last
+            ``stats.clear()``: ``validate_full``/``validate_cached`` (layout
+            checks), ``exchange_overlapped``/``exchange_blocking``/
+            ``exchange_none`` (window operations by path), and
+            ``forward_wait_s``/``backward_wait_s`` (time blocked waiting for
+            halo messages, i.e. communication not hidden by computation).
     """
 
-    def __init__(self, comm, shape):
+    def __init__(self, comm, shape, overlap=True, check='cached'):
         mpi_comm = getattr(comm, 'mpi_comm', comm)
         try:
             shape = tuple(int(s) for s in shape)
@@ -94,6 +115,14 @@ class SpatialGrid(object):
         self.group = self.rank // spatial
         self.spatial_rank = self.rank % spatial
         self.coords = geometry.grid_coords(shape, self.spatial_rank)
+        if check not in ('cached', 'always'):
+            raise ValueError(
+                "distconv.SpatialGrid: check must be 'cached' or 'always', "
+                'got %r' % (check,))
+        self.check = check
+        self.overlap = bool(overlap)
+        self.stats = collections.Counter()
+        self._layout_cache = {}
         # Private communicators: distconv's point-to-point messages and
         # reductions can never match messages of the user or of a
         # gradient-communication thread that uses the original communicator.
@@ -165,7 +194,7 @@ class SpatialGrid(object):
 
         Every process must call this with its block. All processes receive
         the same information, so on bad input all of them raise the same
-        error.
+        error. Cached per geometry (see the class docstring).
 
         Args:
             x: This process's block, ``(N_group, C, *block)``.
@@ -179,6 +208,54 @@ class SpatialGrid(object):
         Raises:
             ValueError: If the blocks do not form the grid's layout.
         """
+        return self._cached_check('spatial', x, layer, signature,
+                                  self._check_spatial_full)
+
+    def _cached_check(self, kind, x, layer, signature, full):
+        """Runs ``full`` unless every rank has this geometry validated.
+
+        The decision is collective: one allreduce (MAX) of ``[miss,
+        fingerprint, -fingerprint]`` tells every rank whether all ranks hit
+        their cache with the same fingerprint; otherwise all of them run the
+        full check (which raises the same error everywhere on bad input).
+        ``full`` returns ``(result, summary)``, where ``summary`` describes
+        the global layout identically on every rank (it is fingerprinted).
+        A local cache hit alone is not enough: the same local block can
+        belong to different global layouts, and a rank that skipped the
+        check while another ran it would hang in the allgather.
+        """
+        arr = x.array if isinstance(x, chainer.Variable) else x
+        key = (kind, tuple(arr.shape), arr.dtype.str, signature)
+        if self.check == 'cached':
+            try:
+                hit = self._layout_cache.get(key)
+            except TypeError:  # an unhashable signature: never cached
+                hit, key = None, None
+            vote = numpy.array([0, 0, 0], dtype=numpy.int64)
+            if hit is None:
+                vote[0] = 1
+            else:
+                vote[1], vote[2] = hit[1], -hit[1]
+            agreed = numpy.empty_like(vote)
+            self.mpi_world.Allreduce([vote, MPI.INT64_T],
+                                     [agreed, MPI.INT64_T], op=MPI.MAX)
+            if agreed[0] == 0 and agreed[1] == -agreed[2]:
+                self.stats['validate_cached'] += 1
+                return hit[0]
+        self.stats['validate_full'] += 1
+        result, summary = full(x, layer, signature)
+        if self.check == 'cached' and key is not None:
+            if len(self._layout_cache) >= 4096:
+                self._layout_cache.clear()  # bound memory for odd workloads
+            digest = hashlib.blake2b(
+                repr((kind, summary, arr.dtype.str, signature)).encode(),
+                digest_size=8).digest()
+            # 62 bits: the negated value fits in int64.
+            fp = int.from_bytes(digest, 'little') >> 2
+            self._layout_cache[key] = (result, fp)
+        return result
+
+    def _check_spatial_full(self, x, layer, signature):
         infos = self._gather_info(x, layer, signature)
         self._check_common(infos, layer)
         names = axis_names(self.ndim)
@@ -233,7 +310,8 @@ class SpatialGrid(object):
                     'groups (%r in group 0, %r in group %d). All samples of '
                     'a batch must have the same spatial size.'
                     % (layer, spatial_shape, gshape, g))
-        return Layout(spatial_shape, group_samples, infos[0][0][1])
+        layout = Layout(spatial_shape, group_samples, infos[0][0][1])
+        return layout, layout
 
     def check_samples(self, x, layer, signature=()):
         """Checks a tensor in sample layout (whole samples per process).
@@ -242,6 +320,10 @@ class SpatialGrid(object):
             tuple: ``(spatial_shape, counts)`` where ``counts[s]`` is the
             number of samples of spatial rank ``s`` in this group.
         """
+        return self._cached_check('samples', x, layer, signature,
+                                  self._check_samples_full)
+
+    def _check_samples_full(self, x, layer, signature):
         infos = self._gather_info(x, layer, signature)
         self._check_common(infos, layer)
         shape0 = infos[0][0][2:]
@@ -253,7 +335,8 @@ class SpatialGrid(object):
                     % (layer, shape0, r, shape[2:]))
         P = self.spatial_size
         counts = [infos[self.group * P + s][0][0] for s in range(P)]
-        return shape0, counts
+        every = tuple(info[0][0] for info in infos)
+        return (shape0, counts), (shape0, every)
 
     # ------------------------------------------------------------------
     # User-facing distribution helpers (not for the training path)

@@ -96,12 +96,19 @@ class BatchNormalization(L.BatchNormalization):
         initial_avg_mean, initial_avg_var: As in Chainer.
         axis: Must be None: normalisation is per channel over samples and
             spatial dimensions.
+        layout (str): ``'spatial'`` (default) for inputs in spatial layout,
+            ``'sample'`` for whole samples per process (after
+            :func:`to_sample_layout`); statistics are global either way.
     """
 
     def __init__(self, grid, size=None, decay=0.9, eps=2e-5, dtype=None,
                  use_gamma=True, use_beta=True, initial_gamma=None,
                  initial_beta=None, axis=None, initial_avg_mean=None,
-                 initial_avg_var=None):
+                 initial_avg_var=None, layout='spatial'):
+        if layout not in ('spatial', 'sample'):
+            raise ValueError(
+                "distconv.BatchNormalization: layout must be 'spatial' or "
+                "'sample', got %r" % (layout,))
         if axis is not None:
             raise ValueError(
                 'distconv.BatchNormalization: axis=%r is not supported; it '
@@ -115,6 +122,7 @@ class BatchNormalization(L.BatchNormalization):
             initial_avg_mean, initial_avg_var)
         self.axis = None
         self.grid = grid
+        self.layout = layout
 
     def forward(self, x, finetune=False):
         """Normalises ``x``, this process's block ``(N, C, *block)``."""
@@ -138,4 +146,4 @@ class BatchNormalization(L.BatchNormalization):
             avg_mean = avg_var = None
         return normalization.batch_normalization(
             self.grid, x, gamma, beta, self.eps, avg_mean, avg_var, decay,
-            _layer=_layer_name(self, 'BatchNormalization'))
+            layout=self.layout, _layer=_layer_name(self, 'BatchNormalization'))

@@ -101,16 +101,20 @@ class DistributedBatchNormalization(function_node.FunctionNode):
 
 
 def batch_normalization(grid, x, gamma, beta, eps=2e-5, running_mean=None,
-                        running_var=None, decay=0.9, _layer=None):
+                        running_var=None, decay=0.9, layout='spatial',
+                        _layer=None):
     """Batch normalisation with global statistics (see the FunctionNode).
 
     Args:
         grid (SpatialGrid): The process grid.
-        x: This process's block ``(N, C, *block)``.
+        x: This process's block ``(N, C, *block)`` (spatial layout), or its
+            whole samples ``(n, C, *spatial)`` (sample layout).
         gamma, beta: Scale and shift ``(C,)``.
         eps (float): Added to the variance.
         running_mean, running_var: Updated in place if given.
         decay (float): Decay of the running statistics.
+        layout (str): ``'spatial'`` or ``'sample'`` (the layout of ``x``;
+            the statistics are over the global batch either way).
 
     Returns:
         chainer.Variable: The normalised block.
@@ -119,16 +123,25 @@ def batch_normalization(grid, x, gamma, beta, eps=2e-5, running_mean=None,
     x = chainer.as_variable(x)
     gamma = chainer.as_variable(gamma)
     beta = chainer.as_variable(beta)
-    layout = grid.check_spatial(
-        x, layer, (layer, tuple(gamma.shape), tuple(beta.shape)))
-    if tuple(gamma.shape) != (layout.channels,) or \
-            tuple(beta.shape) != (layout.channels,):
+    sig = (layer, tuple(gamma.shape), tuple(beta.shape))
+    if layout == 'spatial':
+        lay = grid.check_spatial(x, layer, sig)
+        channels = lay.channels
+        count = sum(lay.group_samples) * int(numpy.prod(lay.spatial_shape))
+    elif layout == 'sample':
+        spatial_shape, _ = grid.check_samples(x, layer, sig)
+        channels = x.shape[1]
+        n_total = int(_comm.allreduce_sum(
+            grid.mpi_world, numpy.array([x.shape[0]], numpy.int64))[0])
+        count = n_total * int(numpy.prod(spatial_shape))
+    else:
+        raise ValueError("%s: layout must be 'spatial' or 'sample', got %r"
+                         % (layer, layout))
+    if tuple(gamma.shape) != (channels,) or tuple(beta.shape) != (channels,):
         raise ValueError(
             '%s: gamma %r and beta %r must have shape (%d,) for an input '
             'with %d channels. Set size to the number of channels.'
-            % (layer, gamma.shape, beta.shape, layout.channels,
-               layout.channels))
-    count = sum(layout.group_samples) * int(numpy.prod(layout.spatial_shape))
+            % (layer, gamma.shape, beta.shape, channels, channels))
     if count == 0:
         raise ValueError(
             '%s: the global batch is empty (no samples or no spatial cells '

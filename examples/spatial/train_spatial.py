@@ -54,15 +54,32 @@ class SpatialCNN(chainer.Chain):
         return self.fc(distconv.global_average_pooling(g, h))
 
 
-def synthetic_batch(rng, n, size):
-    """Noise with one square; label 1 if it is bright, 0 if dark."""
-    x = rng.normal(0, 0.5, (n, 1, size, size)).astype(np.float32)
+def synthetic_batch(rng, noise_rng, n, size, grid):
+    """This process's block of a batch of noise images with one square.
+
+    The labels and square positions (a few numbers) are drawn from ``rng``,
+    identical on every process; each process draws only the noise of its
+    own block, so no process allocates the full-size batch.
+
+    Returns:
+        tuple: ``(x_local, t_local)``; label 1 if the square is bright.
+    """
     t = rng.randint(0, 2, n).astype(np.int32)
     side = max(size // 8, 2)
-    for i in range(n):
-        r, c = rng.randint(0, size - side, 2)
-        x[i, 0, r:r + side, c:c + side] += 1.5 if t[i] else -1.5
-    return x, t
+    corners = rng.randint(0, size - side, (n, 2))
+    lo, hi = grid.sample_range(n)
+    (r0, r1), (c0, c1) = grid.block((size, size))
+    x = noise_rng.normal(0, 0.5, (hi - lo, 1, r1 - r0, c1 - c0)).astype(
+        np.float32)
+    for i in range(lo, hi):
+        r, c = corners[i]
+        # The square's part inside this block (often none).
+        a, b = max(r, r0), min(r + side, r1)
+        d, e = max(c, c0), min(c + side, c1)
+        if a < b and d < e:
+            x[i - lo, 0, a - r0:b - r0, d - c0:e - c0] += \
+                1.5 if t[i] else -1.5
+    return x, t[lo:hi]
 
 
 def parse_grid(text, size):
@@ -92,18 +109,18 @@ def main():
         chainer.optimizers.MomentumSGD(args.lr), comm)
     optimizer.setup(model)
 
-    # Every process draws the same global batch (same seed) and keeps its
-    # block: a real loader would read only the block it owns.
+    # Labels and square positions are drawn identically everywhere (same
+    # seed); the noise per process, for its block only.
     rng = np.random.RandomState(0)
+    noise_rng = np.random.RandomState(100 + comm.rank)
     if comm.rank == 0:
         print('grid %r, %d sample group(s), images %dx%d, global batch %d'
               % (grid.shape, grid.n_groups, args.insize, args.insize,
                  args.batchsize))
     start = time.time()
     for it in range(args.iterations):
-        x, t = synthetic_batch(rng, args.batchsize, args.insize)
-        x_local = grid.scatter(x)
-        t_local = grid.scatter_samples(t)
+        x_local, t_local = synthetic_batch(rng, noise_rng, args.batchsize,
+                                           args.insize, grid)
         y = model(x_local)
         if len(t_local):
             per_sample = F.softmax_cross_entropy(y, t_local, reduce='no')
