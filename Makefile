@@ -14,7 +14,7 @@ export MKL_NUM_THREADS ?= 1
 NP_LIST ?= 1 2 3 4
 TEST_TIMEOUT ?= 1200
 
-.PHONY: venv demo test test-unit test-mpi bench clean
+.PHONY: venv demo test test-unit test-mpi test-netbed bench bench-deps clean
 
 venv: $(STAMP)
 
@@ -28,7 +28,7 @@ demo: venv
 	$(MPIEXEC) -n 2 $(PY) examples/imagenet/train_imagenet.py --arch resnet50 \
 	    --optimizer overlap --batchsize 2 --iterations 6 --insize 224
 
-test: venv test-unit test-mpi
+test: venv test-unit test-mpi test-netbed
 
 test-unit: venv
 	$(PY) -m pytest -q -p no:cacheprovider tests/unit
@@ -39,8 +39,23 @@ test-mpi: venv
 	    $(PY) tests/mpi_run.py -n $$n --timeout $(TEST_TIMEOUT) -- tests/mpi; \
 	done
 
-bench: venv
-	$(PY) benchmarks/overlap_bench.py
+# The network test bed needs root and iproute2; its tests skip (saying why)
+# when either is missing.
+test-netbed: venv
+	$(PY) -m pytest -q -p no:cacheprovider -rs tests/netbed
+
+# The benchmark's own set-up: iproute2 (ip, tc) for the network namespaces,
+# matplotlib for the plot.  BENCH_ARGS passes options, e.g.
+# make bench BENCH_ARGS='--model resnet_small --quick'
+BENCH_ARGS ?=
+bench-deps: venv
+	@command -v ip >/dev/null && command -v tc >/dev/null || \
+	    { apt-get update && apt-get install -y iproute2; }
+	@$(PY) -c 'import matplotlib' 2>/dev/null || \
+	    $(PY) -m pip install -q matplotlib
+
+bench: bench-deps
+	$(PY) benchmarks/overlap_bench.py $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) .mpi-logs build *.egg-info

@@ -2,11 +2,25 @@
 
 ``create_overlapped_optimizer`` is a drop-in for
 ``chainermn.create_multi_node_optimizer`` that reduces gradients layer by
-layer, overlapped with backward and the next forward.  ``distconv`` (a
-subpackage, imported on demand) partitions activations spatially.
+layer, overlapped with backward and the next forward.
+``create_double_buffering_optimizer`` overlaps a whole iteration at the price
+of one-step-stale gradients (ChainerMN's double buffering, on CPU/MPI).
+``distconv`` (a subpackage, imported on demand) partitions activations
+spatially.
 """
+from chainermn_overlap.abort import disable_abort_on_exception  # NOQA
+from chainermn_overlap.abort import enable_abort_on_exception  # NOQA
+from chainermn_overlap.errors import CollectiveMismatchError  # NOQA
+from chainermn_overlap.errors import CommunicationError  # NOQA
+from chainermn_overlap.errors import CommunicationTimeout  # NOQA
 from chainermn_overlap.errors import FallbackWarning  # NOQA
+from chainermn_overlap.errors import StallWarning  # NOQA
+from chainermn_overlap.optimizers import create_double_buffering_optimizer  # NOQA
 from chainermn_overlap.optimizers import create_overlapped_optimizer  # NOQA
 from chainermn_overlap.optimizers import DEFAULT_BUCKET_SIZE  # NOQA
 
 __version__ = '0.1.0'
+
+# CHAINERMN_OVERLAP_ABORT_ON_EXCEPTION=1 installs the abort hook at import.
+from chainermn_overlap import abort as _abort  # NOQA
+_abort._enable_from_environment()

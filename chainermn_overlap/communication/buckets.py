@@ -110,8 +110,20 @@ class Bucket(object):
         _, off, size = self.plan.entries[i]
         return self.buffer[off:off + size]
 
-    def label(self):
-        first, last = self.names[0], self.names[-1]
-        span = first if first == last else '{} .. {}'.format(first, last)
-        return 'bucket {} ({} params, {:.2f} MB: {})'.format(
-            self.index, len(self.names), self.nbytes / 1e6, span)
+    def label(self, max_layers=6):
+        """``bucket 3 (4 params of layers /l2, /l3; 0.01 MB)``, for messages.
+
+        Names the layers (links) so that an error about a pending reduction
+        says which part of the model it carries.
+        """
+        layers = []
+        for name in self.names:
+            layer = name.rsplit('/', 1)[0] or '/'
+            if layer not in layers:
+                layers.append(layer)
+        shown = ', '.join(layers[:max_layers])
+        if len(layers) > max_layers:
+            shown += ', ... ({} more)'.format(len(layers) - max_layers)
+        return 'bucket {} ({} params of layer{} {}; {:.2f} MB)'.format(
+            self.index, len(self.names), 's' if len(layers) > 1 else '',
+            shown, self.nbytes / 1e6)

@@ -33,12 +33,9 @@ model.
 """
 import functools
 import os
-import queue
 import re
 import threading
 import time
-
-import numpy
 
 from chainermn_overlap.communication import backends
 
@@ -236,26 +233,62 @@ def _sleep_until(deadline):
 # ----------------------------------------------------------------------------
 # The backend.
 
-class EmulatedBackend(backends.CommunicationBackend):
+class _ModelledComm(object):
+    """Stands in for a backend's duplicated communicator.
+
+    Runs each real ``Allreduce``, then returns when the link model says the
+    collective would have finished.  The collective being run is the
+    backend's ``_current`` handle (set by the communication thread of
+    :class:`~chainermn_overlap.communication.backends.MpiThreadBackend`
+    before it calls ``Allreduce``); other calls on the communicator (debug
+    checks, ``Free``) pass through unmodelled.
+    """
+
+    def __init__(self, comm, backend):
+        self._comm = comm
+        self._backend = backend
+
+    def Allreduce(self, sendbuf, recvbuf, op=None):
+        handle = self._backend._current
+        if op is None:
+            self._comm.Allreduce(sendbuf, recvbuf)
+        else:
+            self._comm.Allreduce(sendbuf, recvbuf, op=op)
+        if handle is None or getattr(recvbuf, 'nbytes', None) != handle.nbytes:
+            return
+        start, finish = self._backend.link.reserve(handle.posted_at,
+                                                   handle.nbytes)
+        handle.started_at = start
+        if time.perf_counter() > finish:
+            self._backend.late += 1
+        _sleep_until(finish)
+
+    def __getattr__(self, name):
+        return getattr(self._comm, name)
+
+
+class EmulatedBackend(backends.MpiThreadBackend):
     """Real reductions whose completion follows :class:`LinkModel`.
 
-    A communication thread takes posted reductions in order, runs the real
-    allreduce over the processes that exist (skipped for one process, where
-    it is the identity), then waits until the model's finish time and
-    completes the handle.  If the real reduction is slower than the model,
-    completion is as late as the real one (the model cannot make it faster);
-    ``late`` counts such collectives.
+    The MPI communication thread of ``mpi_thread`` (same ordering, watchdog
+    and error handling), whose collectives, after the real allreduce over
+    the processes that exist, complete at the model's finish time.  If the
+    real reduction is slower than the model, completion is as late as the
+    real one (the model cannot make it faster); ``late`` counts those.
 
     Args:
-        mpi_comm: ``mpi4py`` communicator, or ``None`` for one process.
+        mpi_comm: ``mpi4py`` communicator (``MPI.COMM_SELF`` for one
+            process).
         nodes, bandwidth, latency: the link, as in :class:`LinkModel`;
             default :data:`DEFAULTS` overridden by ``CHAINERMN_OVERLAP_
             EMULATION``.
+        **kwargs: passed to ``MpiThreadBackend`` (timeout, ...).
     """
 
     name = 'emulated'
 
-    def __init__(self, mpi_comm, nodes=None, bandwidth=None, latency=None):
+    def __init__(self, mpi_comm, nodes=None, bandwidth=None, latency=None,
+                 **kwargs):
         settings = dict(DEFAULTS)
         settings.update(parse_settings(os.environ.get(ENV_VAR, '')))
         for key, value in (('nodes', nodes), ('bandwidth', bandwidth),
@@ -263,70 +296,11 @@ class EmulatedBackend(backends.CommunicationBackend):
             if value is not None:
                 settings[key] = value
         self.link = LinkModel(**settings)
-        self.rank = 0 if mpi_comm is None else mpi_comm.Get_rank()
-        self.comm = (None if mpi_comm is None or mpi_comm.Get_size() == 1
-                     else mpi_comm.Dup())
         self.late = 0
-        self._queue = queue.Queue()
-        self._failed = None
-        self._closed = False
-        self._thread = threading.Thread(
-            target=self._run, name='chainermn_overlap-emulated', daemon=True)
-        self._thread.start()
-        backends._LIVE.add(self)
-
-    def allreduce(self, array, op='sum', label=None):
-        if self._closed:
-            raise RuntimeError('the emulated communication backend was '
-                               'closed; create a new optimizer')
-        if not isinstance(array, numpy.ndarray):
-            raise TypeError('the emulated backend runs on CPU (numpy) arrays '
-                            'only, got {}'.format(type(array).__name__))
-        label = label or 'array of {} elements'.format(array.size)
-        handle = backends.Handle(label, None, nbytes=array.nbytes)
-        self._queue.put((array, op, handle))
-        return handle
-
-    def _run(self):
-        while True:
-            item = self._queue.get()
-            if item is None:
-                return
-            buf, op, handle = item
-            start, finish = self.link.reserve(handle.posted_at, buf.nbytes)
-            handle.started_at = start
-            if self._failed is not None:
-                handle.error = RuntimeError(
-                    'not attempted: an earlier reduction on rank {} failed '
-                    '({})'.format(self.rank, self._failed))
-            else:
-                try:
-                    if self.comm is not None:
-                        from mpi4py import MPI
-                        self.comm.Allreduce(MPI.IN_PLACE, buf,
-                                            op=backends._mpi_op(op))
-                    if time.perf_counter() > finish:
-                        self.late += 1
-                    _sleep_until(finish)
-                except Exception as e:  # reported to the waiting thread
-                    self._failed = e
-                    handle.error = RuntimeError(
-                        'rank {}: {}'.format(self.rank, e))
-            handle.finished_at = time.perf_counter()
-            handle._event.set()
-
-    def close(self):
-        if self._closed:
-            return
-        self._closed = True
-        self._queue.put(None)
-        self._thread.join()
-        if self.comm is not None:
-            try:
-                self.comm.Free()
-            except Exception:  # MPI may already be finalized at exit
-                pass
-        backends._LIVE.discard(self)
+        super(EmulatedBackend, self).__init__(mpi_comm, **kwargs)
+        # Nothing is posted before the constructor returns, so the thread
+        # sees only the modelled communicator.
+        self.comm = _ModelledComm(self.comm, self)
 
 
 backends.register_backend(EmulatedBackend.name, EmulatedBackend)

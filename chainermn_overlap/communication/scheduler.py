@@ -109,7 +109,8 @@ class PriorityMpiBackend(backends.CommunicationBackend):
             raise RuntimeError('the communication backend was closed')
         label = label or 'array of {} elements'.format(array.size)
         host, finish = backends.stage_to_host(array)
-        handle = backends.Handle(label, finish, nbytes=array.nbytes)
+        # Numbered and watched (timeout, stall reports) by the base class.
+        handle = self.new_handle(label, finish, nbytes=array.nbytes)
         with self._cond:
             if slot is None:
                 slot = (('solo', id(handle)), 0, 1)
@@ -209,7 +210,12 @@ class PriorityMpiBackend(backends.CommunicationBackend):
         with self._cond:
             self._closed = True
             self._cond.notify_all()
-        self._thread.join()
+        self.close_inspector()
+        # After a watchdog timeout the thread may be inside a collective
+        # that never completes: do not wait for it (exit then aborts).
+        self._thread.join(None if self.stuck is None else 1.0)
+        if self._thread.is_alive():
+            return
         try:
             self.comm.Free()
         except Exception:  # MPI may already be finalized at exit

@@ -35,6 +35,7 @@ from chainer import optimizer as optimizer_module
 from chainermn_overlap import _autosync
 from chainermn_overlap.communication import backends
 from chainermn_overlap.communication import buckets as buckets_module
+from chainermn_overlap.communication import watchdog as watchdog_module
 from chainermn_overlap.communication import timeline as timeline_module
 from chainermn_overlap.errors import FallbackWarning
 from chainermn_overlap.hooks import taps
@@ -71,7 +72,11 @@ def parse_size(value):
 def _allgather_json(mpi_comm, obj):
     from mpi4py import MPI
     data = numpy.frombuffer(json.dumps(obj).encode(), dtype=numpy.uint8)
-    counts = mpi_comm.allgather(len(data))
+    # Lengths as raw int64 too: the lower-case mpi4py calls would pickle.
+    counts = numpy.empty(mpi_comm.Get_size(), dtype=numpy.int64)
+    mpi_comm.Allgather([numpy.array([len(data)], dtype=numpy.int64),
+                        MPI.INT64_T], [counts, MPI.INT64_T])
+    counts = counts.tolist()
     out = numpy.empty(sum(counts), dtype=numpy.uint8)
     displs = numpy.concatenate([[0], numpy.cumsum(counts)[:-1]]).tolist()
     mpi_comm.Allgatherv([data, MPI.BYTE], [out, counts, displs, MPI.BYTE])
@@ -82,8 +87,9 @@ def _allgather_json(mpi_comm, obj):
 def _bcast_json(mpi_comm, obj, root=0):
     from mpi4py import MPI
     data = (json.dumps(obj).encode() if mpi_comm.Get_rank() == root else b'')
-    n = mpi_comm.bcast(len(data), root=root)
-    buf = numpy.empty(n, dtype=numpy.uint8)
+    n = numpy.array([len(data)], dtype=numpy.int64)
+    mpi_comm.Bcast([n, MPI.INT64_T], root=root)
+    buf = numpy.empty(int(n[0]), dtype=numpy.uint8)
     if mpi_comm.Get_rank() == root:
         buf[:] = numpy.frombuffer(data, dtype=numpy.uint8)
     mpi_comm.Bcast([buf, MPI.BYTE], root=root)
@@ -193,6 +199,9 @@ class _OverlapState(object):
         self.backend_name = backend
         self.backend_options = backend_options
         self.backend = None
+        # Watchdog options (timeout, stall_warning, debug); see
+        # communication/watchdog.py.
+        self.watch_options = (None, None, None)
 
         self.target = None
         self.link_hook = taps.OverlapLinkHook(self)
@@ -218,6 +227,10 @@ class _OverlapState(object):
         # Updates of the last closed iteration not applied yet.
         self.pending_count = 0
         self.hyperparams = None
+        # Optimizer hooks as they were when the deferred updates' iteration
+        # closed: a hook added later must not apply to them (ChainerMN had
+        # already run that update when the hook was added).
+        self.deferred_hooks = None
         self.warned_fallback = False
         self.stats = CommunicationStats()
         self.timeline = None
@@ -231,6 +244,9 @@ class _OverlapState(object):
         if self.backend is None:
             self.backend = backends.get_backend(self.backend_name)(
                 self.mpi_comm, **self.backend_options)
+            timeout, stall_warning, debug = self.watch_options
+            self.backend.configure(timeout, stall_warning, debug,
+                                   mpi_comm=self.mpi_comm)
         self.target = target
         self._hook_links()
         taps.install_param_use_hook(self)
@@ -529,7 +545,8 @@ class _OverlapState(object):
         # the next forward needs first.
         prio = bucket.index if self.wait == 'forward' else -bucket.index
         bucket.handle = self.backend.allreduce(
-            bucket.buffer, 'sum', label=bucket.label(),
+            bucket.buffer, 'sum',
+            label='{} of iteration {}'.format(bucket.label(), self.iteration),
             slot=(self.iteration, bucket.index + 1, len(self.buckets) + 1),
             priority=prio)
         bucket.posted = True
@@ -549,9 +566,14 @@ class _OverlapState(object):
         if self.control is not None:
             return
         changed = self.local_changed or self._structure_changed()
-        buf = numpy.array([int(changed), -int(self.loaded)], dtype=numpy.int64)
+        # Also carries every rank's layout fingerprint and iteration number,
+        # checked in close_iteration (see watchdog.control_message).
+        buf = watchdog_module.control_message(
+            changed, self.loaded, self.rank, self.size,
+            watchdog_module.layout_fingerprint(self.buckets), self.iteration)
         self.control = (buf, self.backend.allreduce(
-            buf, 'max', label='iteration control message',
+            buf, 'max',
+            label='control message of iteration {}'.format(self.iteration),
             slot=(self.iteration, 0, len(self.buckets) + 1),
             priority=float('inf')))
 
@@ -600,6 +622,7 @@ class _OverlapState(object):
         assert self.next_post == len(self.buckets)
         buf, handle = self.control
         handle.wait()
+        watchdog_module.check_control(buf, self.rank, self.size)
         changed, all_loaded = bool(buf[0]), buf[1] == -1
         if changed:
             self._relayout(first=False, all_loaded=all_loaded)
@@ -641,10 +664,9 @@ class _OverlapState(object):
         if bucket.handle is not None and not bucket.finalized:
             handle = bucket.handle
             t0 = time.perf_counter()
-            try:
-                handle.wait()
-            except backends.CommunicationError as e:
-                raise RuntimeError('rank {}: {}'.format(self.rank, e)) from e
+            # Raises CommunicationError (naming the rank and bucket) on
+            # failure, CommunicationTimeout past the watchdog's timeout.
+            handle.wait()
             t1 = time.perf_counter()
             self.stats.record(handle, t1 - t0)
             tl = self.timeline
@@ -683,6 +705,9 @@ class _OverlapState(object):
     def _defer_updates(self):
         actual = self.actual
         self.hyperparams = actual.hyperparam.get_dict()
+        hookable = actual._hookable
+        self.deferred_hooks = (list(hookable._pre_update_hooks.values()),
+                               list(hookable._post_update_hooks.values()))
         actual.t += 1
         for info in self.infos:
             info.pending = True
@@ -715,8 +740,11 @@ class _OverlapState(object):
         t0 = time.perf_counter() if self.timeline is not None else None
         actual = self.actual
         hookable = actual._hookable
-        pre = list(hookable._pre_update_hooks.values())
-        post = list(hookable._post_update_hooks.values())
+        if self.deferred_hooks is not None:
+            pre, post = self.deferred_hooks
+        else:
+            pre = list(hookable._pre_update_hooks.values())
+            post = list(hookable._post_update_hooks.values())
         with _hyperparams(actual.hyperparam, self.hyperparams):
             for info in infos:
                 if not info.pending:
@@ -945,10 +973,16 @@ class _OverlappedOptimizer(object):
         if not isinstance(link, chainer.Link):
             raise TypeError('setup() expects a chainer.Link, got {}'
                             .format(type(link).__name__))
+        # setup() again on the model being trained: its parameters are
+        # already the same on every rank, so (as in ChainerMN) the next step
+        # is not skipped; it still re-broadcasts, which is harmless.
+        again = st.target is link and st.buckets is not None
         if st.target is not None:
             st.detach()
         st.actual.setup(link)
         st.attach(link)
+        if again:
+            st.mark_loaded()
         return self
 
     def update(self, lossfun=None, *args, **kwds):
@@ -1033,7 +1067,8 @@ def create_overlapped_optimizer(actual_optimizer, communicator,
                                 wait='forward', bucket_size=None,
                                 zero_fill=True, allreduce_grad_dtype=None,
                                 backend='mpi_priority', chunk_size=None,
-                                timeline=None):
+                                timeline=None, timeout=None,
+                                stall_warning=None, debug=None):
     """Creates a multi-node optimizer that overlaps reduction with compute.
 
     A drop-in for :func:`chainermn.create_multi_node_optimizer`: gradients
@@ -1077,6 +1112,19 @@ def create_overlapped_optimizer(actual_optimizer, communicator,
         chunk_size (int or str): largest piece reduced in one call by
             ``'mpi_priority'`` (a higher-priority bucket can start at every
             chunk boundary).  Default 4 MiB.
+        timeout (float): watchdog: seconds any wait for a reduction may
+            take before :class:`chainermn_overlap.CommunicationTimeout` is
+            raised, naming the pending bucket, instead of hanging.  Default
+            ``CHAINERMN_OVERLAP_TIMEOUT`` or 600; 0 disables.
+        stall_warning (float): stall diagnosis: after this many seconds of
+            waiting (and again every as many), a
+            :class:`chainermn_overlap.StallWarning` says which ranks have
+            not posted which bucket and where their main thread is.
+            Default ``CHAINERMN_OVERLAP_STALL_WARNING`` or off.
+        debug (bool): check before every reduction that all ranks post the
+            same one (``'mpi_thread'`` backend; one extra tiny allreduce
+            each).  The bucket layout and iteration are checked at every
+            iteration regardless.  Default ``CHAINERMN_OVERLAP_DEBUG``.
 
     Returns:
         The wrapped optimizer.  Attribute access goes to the actual
@@ -1120,6 +1168,11 @@ def create_overlapped_optimizer(actual_optimizer, communicator,
     state = _OverlapState(actual_optimizer, communicator, wait, bucket_size,
                           zero_fill, allreduce_grad_dtype, backend,
                           backend_options)
+    # Validated now, so that a bad value fails here rather than at setup();
+    # resolved (with the environment) by the backend.
+    watchdog_module.resolve_timeout(timeout)
+    watchdog_module.resolve_stall_warning(stall_warning)
+    state.watch_options = (timeout, stall_warning, debug)
     if timeline is not None:
         state.timeline = timeline_module.Timeline(str(timeline),
                                                   communicator.rank)

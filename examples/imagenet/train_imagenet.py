@@ -179,7 +179,7 @@ def load_mean(path):
     """
     if path is None:
         return np.array(IMAGENET_MEAN_RGB, dtype=np.float32)
-    mean = np.load(path).astype(np.float32)
+    mean = np.load(path, allow_pickle=False).astype(np.float32)
     if mean.ndim not in (1, 3) or mean.shape[0] != 3:
         raise ValueError(
             '--mean {} has shape {}; expected (3, H, W) or (3,) in RGB '
@@ -520,6 +520,9 @@ def print_summary(result, n_processes, args):
 
 if __name__ == '__main__':
     # An exception on one rank would leave the others waiting forever in a
-    # collective; this hook aborts the whole MPI job instead.
-    chainermn.global_except_hook.add_hook()
+    # collective; this hook aborts the whole MPI job instead (and, unlike
+    # chainermn.global_except_hook, also covers exceptions in threads and
+    # cannot hang in MPI_Abort itself).
+    import chainermn_overlap
+    chainermn_overlap.enable_abort_on_exception()
     main()

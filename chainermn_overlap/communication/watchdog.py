@@ -1,0 +1,467 @@
+"""Watchdog, stall diagnosis and collective-sequence checks.
+
+Three guards against the ways a distributed job hangs or silently goes
+wrong:
+
+* :class:`Watchdog` bounds every wait of the library: after ``timeout``
+  seconds the waiting rank raises :class:`CommunicationTimeout` naming the
+  pending communication instead of hanging; past ``stall_warning`` seconds
+  it warns (:class:`StallWarning`), repeatedly, while it keeps waiting.
+* :class:`StallInspector` answers "which ranks have not posted which
+  collective?".  Each rank runs a small side thread on a communicator of
+  its own that answers status requests with its posting counters and where
+  its main thread is.  It needs no cooperation from a stuck rank's main
+  thread or communication thread, so it works exactly when needed: when
+  some rank is stuck in Python code, in another collective, or in I/O.
+* :func:`control_message` / :func:`check_control` piggy-back a fingerprint
+  of the bucket layout and the iteration number of every rank on the
+  per-iteration control allreduce (an allgather done by ``MAX`` over
+  per-rank slots), so that ranks that disagree on the collective sequence
+  are found at the next iteration, named, at no extra message.
+
+Everything exchanged is numbers or JSON text: nothing from a peer is ever
+unpickled.
+"""
+import json
+import os
+import sys
+import threading
+import time
+import traceback
+import warnings
+import weakref
+import zlib
+
+import numpy
+
+from chainermn_overlap.errors import CollectiveMismatchError
+from chainermn_overlap.errors import CommunicationTimeout
+from chainermn_overlap.errors import StallWarning
+
+
+TIMEOUT_ENV = 'CHAINERMN_OVERLAP_TIMEOUT'
+STALL_ENV = 'CHAINERMN_OVERLAP_STALL_WARNING'
+DEBUG_ENV = 'CHAINERMN_OVERLAP_DEBUG'
+# Like PyTorch's NCCL watchdog: generous enough for a slow first iteration
+# or a snapshot written by one rank, short enough not to bill hours.
+DEFAULT_TIMEOUT = 600.0
+_DISABLED = ('none', 'off', 'inf', 'infinity', 'never', 'false', 'no')
+
+_INT64_MIN = numpy.iinfo(numpy.int64).min
+
+
+def parse_seconds(value, what):
+    """A duration in seconds, or ``None`` for "never".
+
+    ``0``, a negative number, ``inf`` and strings such as ``'none'`` or
+    ``'off'`` disable.
+    """
+    if value is None:
+        return None
+    if isinstance(value, str):
+        text = value.strip().lower()
+        if text in _DISABLED or text == '':
+            return None
+        try:
+            value = float(text)
+        except ValueError:
+            raise ValueError(
+                '{} must be a number of seconds (0 or "none" disables), got '
+                '{!r}'.format(what, value))
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError('{} must be a number of seconds (0 or "none" '
+                         'disables), got {!r}'.format(what, value))
+    value = float(value)
+    if value != value:
+        raise ValueError('{} must not be NaN'.format(what))
+    if value <= 0 or value == float('inf'):
+        return None
+    return value
+
+
+def resolve_timeout(option):
+    """The watchdog timeout: the option, else the environment, else 600 s."""
+    if option is None:
+        env = os.environ.get(TIMEOUT_ENV)
+        if env is None:
+            return DEFAULT_TIMEOUT
+        return parse_seconds(env, TIMEOUT_ENV)
+    return parse_seconds(option, 'timeout')
+
+
+def resolve_stall_warning(option):
+    """The stall threshold: the option, else the environment, else off."""
+    if option is None:
+        return parse_seconds(os.environ.get(STALL_ENV), STALL_ENV)
+    return parse_seconds(option, 'stall_warning')
+
+
+def resolve_debug(option):
+    """Whether every collective is checked: the option, else the env."""
+    if option is None:
+        return os.environ.get(DEBUG_ENV, '').strip().lower() not in (
+            '', '0', 'false', 'no', 'off')
+    return bool(option)
+
+
+def _fmt_s(seconds):
+    return '{:.1f} s'.format(seconds)
+
+
+# ----------------------------------------------------------------------------
+# Watchdog
+
+class Watchdog(object):
+    """Bounded waits on a backend's handles.
+
+    Args:
+        backend: the backend whose handles are waited for; it provides
+            ``rank``, ``describe_progress(handle)``, ``mark_stuck()`` and
+            optionally ``inspector``.
+        timeout (float or None): seconds before a wait raises.
+        stall_warning (float or None): seconds before (and between)
+            :class:`StallWarning` reports.
+    """
+
+    def __init__(self, backend, timeout, stall_warning):
+        self.backend = backend
+        self.timeout = timeout
+        self.stall_warning = stall_warning
+
+    def wait(self, handle, timeout=None):
+        """Blocks until ``handle`` completed; raises on timeout.
+
+        Args:
+            handle: a backend handle.
+            timeout (float or None): overrides the watchdog's timeout.
+        """
+        event = handle._event
+        if event.is_set():
+            return
+        timeout = self.timeout if timeout is None else timeout
+        step = self.stall_warning
+        if timeout is None and step is None:
+            event.wait()
+            return
+        t0 = time.monotonic()
+        next_warning = step
+        while True:
+            limits = [x for x in (timeout, next_warning) if x is not None]
+            remaining = min(limits) - (time.monotonic() - t0)
+            if remaining > 0 and event.wait(remaining):
+                return
+            if event.is_set():
+                return
+            waited = time.monotonic() - t0
+            if timeout is not None and waited >= timeout:
+                self.backend.mark_stuck()
+                raise CommunicationTimeout(
+                    self.timeout_message(handle, waited))
+            if next_warning is not None and waited >= next_warning:
+                warnings.warn(self.stall_message(handle, waited),
+                              StallWarning, stacklevel=4)
+                next_warning += step
+
+    def _diagnosis(self, handle):
+        inspector = getattr(self.backend, 'inspector', None)
+        if inspector is None:
+            return ('(Which ranks have not posted it is unknown: stall '
+                    'diagnosis is off; set {}=<seconds> on every rank.)'
+                    .format(STALL_ENV))
+        return inspector.report(handle)
+
+    def stall_message(self, handle, waited):
+        return ('rank {}: has waited {} for {} ({}). {}'.format(
+            self.backend.rank, _fmt_s(waited), handle.label,
+            self.backend.describe_progress(handle),
+            self._diagnosis(handle)))
+
+    def timeout_message(self, handle, waited):
+        return (
+            'rank {rank}: timed out after {waited} waiting for {label} '
+            '({nbytes} bytes; {progress}). {diag} Another rank has not '
+            'joined this collective: it raised an error or was killed, is '
+            'stuck or much slower (e.g. evaluation or a snapshot on one rank '
+            'only), ran a different number of iterations, or the network '
+            'between ranks failed. The communication thread is still inside '
+            'the collective, so this process calls MPI_Abort at exit. '
+            'Fixes: call chainermn_overlap.enable_abort_on_exception() on '
+            'every rank so that an error on one rank ends the job at once; '
+            'set {stall}=<seconds> to report which ranks have not posted '
+            'which bucket; if the job is merely slow, raise the limit with '
+            'create_overlapped_optimizer(..., timeout=<seconds>) or '
+            '{env}=<seconds> (0 disables).'.format(
+                rank=self.backend.rank, waited=_fmt_s(waited),
+                label=handle.label, nbytes=handle.nbytes,
+                progress=self.backend.describe_progress(handle),
+                diag=self._diagnosis(handle), stall=STALL_ENV,
+                env=TIMEOUT_ENV))
+
+
+# ----------------------------------------------------------------------------
+# Stall inspector
+
+_TAG_ASK = 7301
+_TAG_REPLY = 7302
+# Replies are small JSON texts in fixed buffers, below MPICH's eager limits,
+# so that a reply nobody receives any more never blocks the answering thread.
+_REPLY_BYTES = 2048
+
+
+def main_thread_location(depth=3):
+    """``file:line in function`` of the main thread's innermost frames."""
+    frame = sys._current_frames().get(threading.main_thread().ident)
+    if frame is None:
+        return 'unknown'
+    frames = traceback.extract_stack(frame)[-depth:]
+    return ' <- '.join('{}:{} in {}'.format(
+        os.path.basename(f.filename), f.lineno, f.name)
+        for f in reversed(frames))
+
+
+class StallInspector(object):
+    """Answers and asks "how far has each rank posted?".
+
+    Each rank runs a daemon thread on a communicator of its own (a ``Dup``
+    of the backend's) that polls for status requests every ``poll``
+    seconds -- non-blocking, because a blocking receive busy-polls a core
+    in MPICH -- and answers with ``status()``.  A waiting rank asks all
+    others and reports which ones have not posted the collective it waits
+    for.
+
+    Args:
+        mpi_comm: communicator to duplicate (collective over it).
+        status (callable): returns this rank's status as a JSON-able dict
+            with at least ``posted`` (number of collectives posted).
+        poll (float): seconds between polls of the answering thread.
+    """
+
+    def __init__(self, mpi_comm, status, poll=0.2, owner=None):
+        self.comm = mpi_comm.Dup()
+        # Stops by itself once its backend is closed or garbage collected.
+        self._owner = None if owner is None else weakref.ref(owner)
+        self.rank = self.comm.Get_rank()
+        self.size = self.comm.Get_size()
+        # Through the weak reference when there is an owner, so that the
+        # inspector does not keep its backend alive.
+        self._status_fn = status if owner is None else None
+        self._freed = False
+        self.poll = poll
+        self._next_request = 1
+        self._stop = threading.Event()
+        self._thread = threading.Thread(
+            target=self._serve, name='chainermn_overlap-stall-inspector',
+            daemon=True)
+        self._thread.start()
+
+    def status(self):
+        if self._status_fn is not None:
+            return self._status_fn()
+        owner = self._owner()
+        return owner.status() if owner is not None else {}
+
+    def _free(self):
+        if not self._freed:
+            self._freed = True
+            try:
+                self.comm.Free()
+            except Exception:  # MPI may be finalized at exit
+                pass
+
+    def _owner_closed(self):
+        if self._owner is None:
+            return False
+        owner = self._owner()
+        if owner is None or getattr(owner, '_closed', False):
+            self._stop.set()
+            return True
+        return False
+
+    def _encode(self, info):
+        data = json.dumps(info).encode()
+        if len(data) > _REPLY_BYTES - 8:
+            info = dict(info, main_thread='(too long)')
+            data = json.dumps(info).encode()[:_REPLY_BYTES - 8]
+        out = numpy.zeros(_REPLY_BYTES, dtype=numpy.uint8)
+        out[:8] = numpy.frombuffer(
+            numpy.int64(len(data)).tobytes(), dtype=numpy.uint8)
+        out[8:8 + len(data)] = numpy.frombuffer(data, dtype=numpy.uint8)
+        return out
+
+    @staticmethod
+    def _decode(buf):
+        n = int(numpy.frombuffer(buf[:8].tobytes(), dtype=numpy.int64)[0])
+        if not 0 <= n <= len(buf) - 8:
+            return None
+        try:
+            return json.loads(buf[8:8 + n].tobytes().decode())
+        except ValueError:
+            return None
+
+    def _serve(self):
+        from mpi4py import MPI
+        ask = numpy.zeros(1, dtype=numpy.int64)
+        status = MPI.Status()
+        sends = []
+        while True:
+            req = self.comm.Irecv([ask, MPI.INT64_T], source=MPI.ANY_SOURCE,
+                                  tag=_TAG_ASK)
+            while not req.Test(status):
+                if self._stop.wait(self.poll) or self._owner_closed():
+                    req.Cancel()
+                    req.Wait()
+                    for s, _ in sends:
+                        s.Free()
+                    self._free()
+                    return
+            try:
+                info = dict(self.status(), request=int(ask[0]))
+            except Exception as e:  # report, never kill the answering thread
+                info = {'error': repr(e), 'request': int(ask[0])}
+            out = self._encode(info)
+            # Each buffer is kept with its request until the send completed.
+            sends = [(s, b) for s, b in sends if not s.Test()]
+            sends.append((self.comm.Isend([out, MPI.BYTE],
+                                          dest=status.Get_source(),
+                                          tag=_TAG_REPLY), out))
+
+    def ask_all(self, deadline=2.0):
+        """Status of every rank: ``{rank: dict or None}`` (None: no answer).
+
+        Args:
+            deadline (float): seconds to wait for answers.
+        """
+        from mpi4py import MPI
+        req_id = self._next_request
+        self._next_request += 1
+        out = {self.rank: self.status()}
+        ask = numpy.array([req_id], dtype=numpy.int64)
+        pending, sends = {}, []
+        for r in range(self.size):
+            if r == self.rank:
+                continue
+            buf = numpy.zeros(_REPLY_BYTES, dtype=numpy.uint8)
+            pending[r] = (self.comm.Irecv([buf, MPI.BYTE], source=r,
+                                          tag=_TAG_REPLY), buf)
+            sends.append(self.comm.Isend([ask, MPI.INT64_T], dest=r,
+                                         tag=_TAG_ASK))
+        end = time.monotonic() + deadline
+        while pending and time.monotonic() < end:
+            for r, (req, buf) in list(pending.items()):
+                if not req.Test():
+                    continue
+                info = self._decode(buf)
+                if info is not None and info.get('request') == req_id:
+                    out[r] = info
+                    del pending[r]
+                else:
+                    # A late answer to an earlier request: receive again.
+                    pending[r] = (self.comm.Irecv(
+                        [buf, MPI.BYTE], source=r, tag=_TAG_REPLY), buf)
+            if pending:
+                time.sleep(0.01)
+        for r, (req, _) in pending.items():
+            req.Cancel()
+            req.Wait()
+            out[r] = None
+        for s in sends:
+            if not s.Test():
+                s.Free()
+        return out
+
+    def report(self, handle, deadline=2.0):
+        """Which ranks have not posted ``handle``'s collective, as text."""
+        seq = handle.seq
+        statuses = self.ask_all(deadline)
+        lagging, silent, lines = [], [], []
+        for r in range(self.size):
+            info = statuses.get(r)
+            if info is None:
+                silent.append(r)
+                lines.append('rank {}: no answer within {} (dead, hung '
+                             'holding the GIL, or on an MPI that cannot '
+                             'reach it)'.format(r, _fmt_s(deadline)))
+                continue
+            posted = info.get('posted', 0)
+            where = ('waiting for it (this rank)' if r == self.rank
+                     else info.get('main_thread', 'unknown'))
+            if posted < seq:
+                lagging.append(r)
+                lines.append(
+                    'rank {}: has NOT posted it (posted {} collectives, the '
+                    'last: {}); main thread at {}'.format(
+                        r, posted, info.get('last_posted'), where))
+            else:
+                lines.append(
+                    'rank {}: posted it; communication thread {}; main '
+                    'thread at {}'.format(r, info.get('comm_thread'), where))
+        if lagging:
+            head = ('Stall diagnosis for collective #{} ({}): ranks {} have '
+                    'not posted it'.format(seq, handle.label, lagging))
+        else:
+            head = ('Stall diagnosis for collective #{} ({}): every rank that '
+                    'answered has posted it (it is in progress, or queued '
+                    'behind an earlier one)'.format(seq, handle.label))
+        if silent:
+            head += ', ranks {} did not answer'.format(silent)
+        return head + '. ' + '; '.join(lines) + '.'
+
+    def close(self):
+        """Stops the answering thread (it frees its communicator)."""
+        if not self._thread.is_alive():
+            return
+        self._stop.set()
+        self._thread.join(timeout=5 * self.poll + 1)
+
+
+# ----------------------------------------------------------------------------
+# Collective-sequence check carried by the control message
+
+def layout_fingerprint(buckets):
+    """A 31-bit fingerprint of the bucket layout (members, sizes, dtypes)."""
+    text = '|'.join('{}:{}:{}'.format(b.plan.dtype.str, b.plan.nelems,
+                                      ','.join(b.names)) for b in buckets)
+    return zlib.crc32(text.encode()) & 0x7fffffff
+
+
+def control_message(changed, loaded, rank, size, fingerprint, iteration):
+    """The per-iteration control buffer, reduced with ``MAX``.
+
+    ``[changed, -loaded, fingerprint per rank..., iteration per rank...]``:
+    every rank fills only its own slots (the others hold the minimum
+    int64), so the ``MAX`` reduction is an allgather of the fingerprints
+    and iteration numbers, at the cost of ``2 * size`` integers.
+    """
+    buf = numpy.full(2 + 2 * size, _INT64_MIN, dtype=numpy.int64)
+    buf[0] = int(changed)
+    buf[1] = -int(loaded)
+    buf[2 + rank] = fingerprint
+    buf[2 + size + rank] = iteration
+    return buf
+
+
+def check_control(buf, rank, size):
+    """Raises CollectiveMismatchError if ranks disagree, naming them."""
+    if len(buf) < 2 + 2 * size:
+        return
+    fps = buf[2:2 + size]
+    its = buf[2 + size:2 + 2 * size]
+    problems = []
+    for what, values in (('iteration', its), ('bucket layout', fps)):
+        if (values == values[0]).all():
+            continue
+        groups = {}
+        for r, v in enumerate(values.tolist()):
+            groups.setdefault(v, []).append(r)
+        desc = '; '.join('ranks {}: {} {}'.format(rs, what, v)
+                         for v, rs in sorted(groups.items(),
+                                             key=lambda kv: kv[1][0]))
+        problems.append(desc)
+    if problems:
+        raise CollectiveMismatchError(
+            'rank {}: ranks disagree on the sequence of collectives ({}). '
+            'Each rank must call update() the same number of times on the '
+            'same model: a rank that skips update() (e.g. for an empty '
+            'batch; give it a zero-sample batch instead) or runs an extra '
+            'one reduces unrelated gradients together or hangs.'.format(
+                rank, ' | '.join(problems)))

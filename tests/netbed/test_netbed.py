@@ -1,0 +1,97 @@
+"""The network test bed (benchmarks/netbed.py): shaping and clean-up.
+
+Needs root (network namespaces, tc) and iproute2; skipped otherwise, with
+the reason.  Runs in ``make test`` (target ``test-netbed``) in well under a
+minute: a few 2-rank MPI jobs over shaped veth links.
+"""
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(
+    os.path.abspath(__file__))))
+sys.path.insert(0, os.path.join(ROOT, 'benchmarks'))
+
+import netbed  # NOQA
+
+NETBED = os.path.join(ROOT, 'benchmarks', 'netbed.py')
+
+needs_root = pytest.mark.skipif(
+    os.geteuid() != 0 or shutil.which('ip') is None
+    or shutil.which('tc') is None,
+    reason='the network test bed needs root and iproute2 (ip, tc): it '
+           'creates network namespaces and tc qdiscs')
+
+
+def ours():
+    """Namespaces created by beds of this process."""
+    tag = netbed.PREFIX + str(os.getpid())
+    return [n for n in netbed.list_namespaces() if n.startswith(tag)]
+
+
+@needs_root
+def test_measured_bandwidth_follows_the_configured_rate():
+    results = {}
+    for rate in ('100mbit', '400mbit'):
+        with netbed.NetBed(2, rate) as bed:
+            assert len(ours()) == 2
+            desc = bed.describe()
+            results[rate] = netbed.probe(bed, nbytes=4 * 2 ** 20, repeats=2,
+                                         timeout=60)
+        assert results[rate]['correct']
+        assert results[rate]['addresses'] == ['10.213.0.1', '10.213.0.2']
+        configured = netbed.parse_rate(rate)
+        measured = results[rate]['busbw_bit_per_s']
+        # TCP/IP headers and MPI cost a few percent; the token bucket's
+        # burst can add a little on short transfers.
+        assert 0.5 * configured < measured < 1.2 * configured, (
+            rate, measured)
+        assert any('tbf' in q for q in desc['qdiscs'][desc['namespaces'][0]])
+        assert desc['pinning']['blas_threads'] == 1
+    # Negative control: the rate really is what limits the transfer.
+    ratio = (results['400mbit']['busbw_bit_per_s']
+             / results['100mbit']['busbw_bit_per_s'])
+    assert ratio > 2.5, ratio
+    assert ours() == []
+
+
+@needs_root
+def test_namespaces_removed_on_error():
+    with pytest.raises(RuntimeError, match='boom'):
+        with netbed.NetBed(2, '50mbit'):
+            assert len(ours()) == 2
+            raise RuntimeError('boom')
+    assert ours() == []
+
+
+@needs_root
+def test_time_limit_kills_the_job():
+    with netbed.NetBed(2, '50mbit') as bed:
+        t0 = time.time()
+        res = bed.run_mpi(['sleep', '30'], timeout=2)
+    assert res['returncode'] == 124
+    assert time.time() - t0 < 15
+    assert ours() == []
+
+
+@needs_root
+def test_namespaces_removed_on_sigterm():
+    proc = subprocess.Popen([sys.executable, NETBED, '--rate', '50mbit',
+                             '--', 'sleep', '30'],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    tag = netbed.PREFIX + str(proc.pid)
+    deadline = time.time() + 20
+    while not [n for n in netbed.list_namespaces() if n.startswith(tag)]:
+        assert proc.poll() is None, proc.communicate()
+        assert time.time() < deadline, 'namespaces never appeared'
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=20)
+    assert proc.returncode == 130, err
+    assert b'namespaces were removed' in err
+    assert not [n for n in netbed.list_namespaces() if n.startswith(tag)]
