@@ -7,8 +7,11 @@ Run (as root)::
         [--timeout 600] [--record bed.json] -- python my_mpi_script.py ARGS
 
 Each rank runs in a Linux network namespace of its own, so MPICH sees
-separate hosts and must use TCP over the namespaces' interfaces (shared
-memory is switched off with ``MPIR_CVAR_NOLOCAL=1``).  Two ranks are joined
+separate hosts and must use TCP over the namespaces' interfaces: MPICH's
+shared memory is switched off (``MPIR_CVAR_NOLOCAL=1``) and UCX, its
+network layer, is limited to TCP on ``eth0`` (``UCX_TLS=tcp,self``,
+``UCX_NET_DEVICES=eth0``; without these UCX moves the data through shared
+memory at tens of Gbit/s and the shaped link is never used).  Two ranks are joined
 by a veth pair; more ranks by one veth pair each to a bridge that lives in a
 namespace of its own (a switch).  Every interface that carries rank traffic
 is shaped on egress with ``tc`` (a token bucket, ``tbf``, at the link rate;

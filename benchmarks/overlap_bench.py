@@ -85,10 +85,11 @@ def _make_optimizer(mode, comm, cfg):
     from chainermn_overlap.communication import emulated
     actual = chainer.optimizers.MomentumSGD(0.01, 0.9)
     emu = cfg.get('emulation')
-    backend = 'mpi_thread'
+    backend = {}   # the library's default engine
     if emu:
-        backend = emulated.configure(emu['nodes'], emu['bandwidth_bit_per_s'],
-                                     emu['latency_s'])
+        # The same engine as a real run, timed by the link model.
+        backend = {'backend': emulated.configure(
+            emu['nodes'], emu['bandwidth_bit_per_s'], emu['latency_s'])}
     if mode == 'alone':
         return actual
     if mode == 'blocking':
@@ -99,15 +100,13 @@ def _make_optimizer(mode, comm, cfg):
         return chainermn.create_multi_node_optimizer(actual, mn_comm)
     if mode == 'double_buffering':
         return chainermn_overlap.create_double_buffering_optimizer(
-            actual, comm, backend=backend)
+            actual, comm, **backend)
     wait = mode.split('_')[1]
-    options = {'wait': wait, 'backend': backend}
+    options = dict(backend, wait=wait)
     if cfg.get('bucket_size'):
         options['bucket_size'] = cfg['bucket_size']
     trace = cfg.get('trace')
-    params = inspect.signature(
-        chainermn_overlap.create_overlapped_optimizer).parameters
-    if trace and wait == 'forward' and 'timeline' in params:
+    if trace and wait == 'forward' and _trace_supported():
         options['timeline'] = trace
     return chainermn_overlap.create_overlapped_optimizer(actual, comm,
                                                          **options)
@@ -228,6 +227,12 @@ def add_scalability(summary):
         s['scalability_min'] = s['it_per_s_min'] / base
         s['scalability_max'] = s['it_per_s_max'] / base
     return summary
+
+
+def _trace_supported():
+    import chainermn_overlap
+    return 'timeline' in inspect.signature(
+        chainermn_overlap.create_overlapped_optimizer).parameters
 
 
 def _worker_cmd(cfg):
@@ -446,17 +451,18 @@ def run_emulation(cfg, t_compute, nbytes, log):
             'pinning': {'tool': 'taskset', 'cores': [0], 'blas_threads': 1}}
 
 
-def run_overhead(model, log, quick):
-    """The 1-rank overhead check (benchmarks/overhead.py), pinned."""
+def run_overhead(log, quick):
+    """The 1-rank overhead check (benchmarks/overhead.py), pinned to core 0.
+
+    Always on the small model: a fixed per-iteration cost of the wrapper
+    weighs most there, so it is the stricter test of the 2 % budget.
+    """
     out = os.path.join(RESULTS, 'overhead.json')
     cmd = ['taskset', '-c', '0', sys.executable,
-           os.path.join(HERE, 'overhead.py'), '--arch', model,
+           os.path.join(HERE, 'overhead.py'), '--arch', 'resnet_small',
            '--out', out]
     if quick:
         cmd += ['--iterations', '6', '--rounds', '2']
-    if model == 'resnet50':
-        cmd += ['--batchsize', '4', '--insize', '224',
-                '--iterations', '5', '--rounds', '2']
     log('overhead at one rank: ' + ' '.join(cmd[3:]))
     env = dict(os.environ, **BLAS_ENV)
     proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE,
@@ -494,6 +500,7 @@ def plot(result, path):
         import matplotlib
         matplotlib.use('Agg')
         import matplotlib.pyplot as plt
+        import matplotlib.ticker  # NOQA
     except ImportError:
         return ('matplotlib is not installed, so no plot was drawn; install '
                 'it (.venv/bin/pip install matplotlib; make bench does)')
@@ -515,6 +522,8 @@ def plot(result, path):
         ax.axvline(cal / 1e6, color='grey', ls=':', label='calibrated rate')
     ax.axhspan(*TARGET_BLOCKING, color='grey', alpha=0.1)
     ax.set_xscale('log')
+    ax.xaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
+    ax.xaxis.set_minor_formatter(matplotlib.ticker.ScalarFormatter())
     ax.set_xlabel('link rate per rank and direction (Mbit/s, tc tbf)')
     ax.set_ylabel('scalability (it/s with 2 ranks / it/s alone)')
     ax.set_title('{} batch {} ({}x{}), 2 ranks over a shaped veth link'
@@ -620,6 +629,10 @@ def main(argv=None):
         'bucket_size': args.bucket_size,
         'rounds': 1 if args.quick else 2,
     }
+    import chainermn_overlap
+    cfg['overlap_backend'] = inspect.signature(
+        chainermn_overlap.create_overlapped_optimizer).parameters[
+            'backend'].default
     t_start = time.time()
 
     def log(msg):
@@ -663,8 +676,13 @@ def main(argv=None):
                 .format(*TARGET_BLOCKING))
             rate, history = calibrate(cfg, t_compute, nbytes, log)
         result['calibration'] = history
-        log('all modes at {:.0f} Mbit/s'.format(rate / 1e6))
-        cal = run_bed(rate, cfg, t_compute, log)
+        log('all modes at {:.1f} Mbit/s'.format(rate / 1e6))
+        trace = os.path.join(RESULTS, 'overlap_trace.rank{rank}.json')
+        cal = run_bed(rate, dict(cfg, trace=trace), t_compute, log)
+        if _trace_supported():
+            result['trace'] = os.path.relpath(trace, ROOT)
+            log('timeline of wait=forward (open in https://ui.perfetto.dev '
+                'or chrome://tracing): ' + trace.format(rank='<r>'))
         result['calibrated'] = cal
         _table(cal['modes'], log, 'calibrated link {:.1f} Mbit/s, 2 ranks '
                '(network namespaces, tc tbf, MPICH/TCP):'.format(rate / 1e6))
@@ -673,13 +691,18 @@ def main(argv=None):
         if cfg['model'] != 'resnet50':
             log('note: the emulation replays the anchor with {} (run with '
                 '--model resnet50 for the anchor model)'.format(cfg['model']))
-        emu = run_emulation(emu_cfg, t_compute, nbytes, log)
+        # The link is scaled to the compute time of one iteration here: the
+        # calibrated run's 'alone' (more iterations) when there is one.
+        t_local = t_compute
+        if 'calibrated' in result:
+            t_local = 1.0 / result['calibrated']['modes']['alone'][
+                'it_per_s_median']
+        emu = run_emulation(emu_cfg, t_local, nbytes, log)
         result['emulation'] = emu
         _table(emu['modes'], log, emu['label'] + ':')
 
     if not args.emulate and not args.quick and not over_budget('overhead'):
-        result['overhead_1rank'] = run_overhead('resnet_small', log,
-                                                args.quick)
+        result['overhead_1rank'] = run_overhead(log, args.quick)
         o = result['overhead_1rank']['overhead_vs_plain']
         log('overhead at one rank vs the plain optimizer: ' + ', '.join(
             '{} {:+.1%}'.format(k, v) for k, v in sorted(o.items())))

@@ -233,86 +233,108 @@ def _sleep_until(deadline):
 # ----------------------------------------------------------------------------
 # The backend.
 
+def _nbytes(buf):
+    # mpi4py accepts an array or a [array, datatype, ...] specification.
+    if isinstance(buf, (list, tuple)):
+        buf = buf[0]
+    return getattr(buf, 'nbytes', 0)
+
+
 class _ModelledComm(object):
     """Stands in for a backend's duplicated communicator.
 
-    Runs each real ``Allreduce``, then returns when the link model says the
-    collective would have finished.  The collective being run is the
-    backend's ``_current`` handle (set by the communication thread of
-    :class:`~chainermn_overlap.communication.backends.MpiThreadBackend`
-    before it calls ``Allreduce``); other calls on the communicator (debug
-    checks, ``Free``) pass through unmodelled.
+    Each ``Allreduce`` runs for real, then returns when the link model says
+    that collective would have finished.  A backend's communication thread
+    issues one collective at a time, so the link is booked from the moment
+    of the call: a collective (a bucket, a chunk of one, or a scheduler's
+    small control exchange, which thereby pays its latency) starts when the
+    previous one finished or when it is issued, whichever is later.  Every
+    other call passes through unmodelled.
     """
 
-    def __init__(self, comm, backend):
+    def __init__(self, comm, link):
         self._comm = comm
-        self._backend = backend
+        self._link = link
+        self.late = 0   # collectives whose real reduction outlasted the model
 
     def Allreduce(self, sendbuf, recvbuf, op=None):
-        handle = self._backend._current
+        issued = time.perf_counter()
         if op is None:
             self._comm.Allreduce(sendbuf, recvbuf)
         else:
             self._comm.Allreduce(sendbuf, recvbuf, op=op)
-        if handle is None or getattr(recvbuf, 'nbytes', None) != handle.nbytes:
-            return
-        start, finish = self._backend.link.reserve(handle.posted_at,
-                                                   handle.nbytes)
-        handle.started_at = start
+        _, finish = self._link.reserve(issued, _nbytes(recvbuf))
         if time.perf_counter() > finish:
-            self._backend.late += 1
+            self.late += 1
         _sleep_until(finish)
 
     def __getattr__(self, name):
         return getattr(self._comm, name)
 
 
-class EmulatedBackend(backends.MpiThreadBackend):
-    """Real reductions whose completion follows :class:`LinkModel`.
+def _default_base():
+    # The engine the overlapped optimizer uses by default, so that an
+    # emulation measures the same scheduling as a real run.
+    return 'mpi_priority' if 'mpi_priority' in backends._BACKENDS \
+        else 'mpi_thread'
 
-    The MPI communication thread of ``mpi_thread`` (same ordering, watchdog
-    and error handling), whose collectives, after the real allreduce over
-    the processes that exist, complete at the model's finish time.  If the
-    real reduction is slower than the model, completion is as late as the
-    real one (the model cannot make it faster); ``late`` counts those.
+
+def emulated_backend(mpi_comm, base=None, nodes=None, bandwidth=None,
+                     latency=None, **kwargs):
+    """A backend whose collectives complete as :class:`LinkModel` says.
+
+    The real engine ``base`` (same ordering, chunking, priorities, watchdog
+    and error handling) runs on a communicator whose ``Allreduce`` first
+    reduces for real over the processes that exist, then waits for the
+    model.  If the real reduction is slower than the model, completion is as
+    late as the real one (counted in ``backend.comm.late``).
 
     Args:
         mpi_comm: ``mpi4py`` communicator (``MPI.COMM_SELF`` for one
             process).
+        base (str): the engine to time, a registered backend name; default
+            ``'mpi_priority'`` (the optimizer's default) when registered,
+            else ``'mpi_thread'``.
         nodes, bandwidth, latency: the link, as in :class:`LinkModel`;
             default :data:`DEFAULTS` overridden by ``CHAINERMN_OVERLAP_
             EMULATION``.
-        **kwargs: passed to ``MpiThreadBackend`` (timeout, ...).
+        **kwargs: options of the base engine (e.g. ``chunk_bytes``).
+
+    Returns:
+        The base backend, with ``link`` (the model) and ``emulation`` (its
+        description, labelled as an emulation) attributes.
     """
-
-    name = 'emulated'
-
-    def __init__(self, mpi_comm, nodes=None, bandwidth=None, latency=None,
-                 **kwargs):
-        settings = dict(DEFAULTS)
-        settings.update(parse_settings(os.environ.get(ENV_VAR, '')))
-        for key, value in (('nodes', nodes), ('bandwidth', bandwidth),
-                           ('latency', latency)):
-            if value is not None:
-                settings[key] = value
-        self.link = LinkModel(**settings)
-        self.late = 0
-        super(EmulatedBackend, self).__init__(mpi_comm, **kwargs)
-        # Nothing is posted before the constructor returns, so the thread
-        # sees only the modelled communicator.
-        self.comm = _ModelledComm(self.comm, self)
-
-
-backends.register_backend(EmulatedBackend.name, EmulatedBackend)
+    settings = dict(DEFAULTS)
+    settings.update(parse_settings(os.environ.get(ENV_VAR, '')))
+    for key, value in (('nodes', nodes), ('bandwidth', bandwidth),
+                       ('latency', latency)):
+        if value is not None:
+            settings[key] = value
+    link = LinkModel(**settings)
+    base = base or _default_base()
+    if base == 'emulated' or base.startswith('emulated:'):
+        raise ValueError('the base of an emulated backend must be a real '
+                         'engine such as mpi_thread, not {!r}'.format(base))
+    backend = backends.get_backend(base)(mpi_comm, **kwargs)
+    # Nothing is posted before this returns, so the communication thread
+    # only ever uses the modelled communicator.
+    backend.comm = _ModelledComm(backend.comm, link)
+    backend.link = link
+    backend.emulation = dict(link.describe(), base=base)
+    return backend
 
 
-def configure(nodes, bandwidth, latency=DEFAULTS['latency']):
+backends.register_backend('emulated', emulated_backend)
+
+
+def configure(nodes, bandwidth, latency=DEFAULTS['latency'], base=None):
     """Registers an emulated backend with these settings; returns its name.
 
     Args:
         nodes (int): virtual nodes in the ring.
         bandwidth (float or str): link rate in bit/s, or e.g. ``'10gbit'``.
         latency (float or str): seconds per ring step, or e.g. ``'25us'``.
+        base (str): the real engine to time (see :func:`emulated_backend`).
 
     Returns:
         str: a backend name for ``backend=`` of the optimizers, e.g.
@@ -321,9 +343,12 @@ def configure(nodes, bandwidth, latency=DEFAULTS['latency']):
     link = LinkModel(nodes, bandwidth, latency)  # validates
     name = 'emulated:nodes={},bandwidth={:g},latency={:g}'.format(
         link.nodes, link.bandwidth, link.latency)
+    if base is not None:
+        backends.get_backend(base)  # an unknown name fails here
+        name += ',base={}'.format(base)
     backends.register_backend(name, functools.partial(
-        EmulatedBackend, nodes=link.nodes, bandwidth=link.bandwidth,
-        latency=link.latency))
+        emulated_backend, base=base, nodes=link.nodes,
+        bandwidth=link.bandwidth, latency=link.latency))
     return name
 
 

@@ -73,21 +73,27 @@ def test_parse_settings():
 
 
 def test_backend_registered_and_configurable():
-    assert backends.get_backend('emulated') is em.EmulatedBackend
-    name = em.configure(nodes=2, bandwidth=8000, latency=0)
+    assert backends.get_backend('emulated') is em.emulated_backend
+    name = em.configure(nodes=2, bandwidth=8000, latency=0,
+                        base='mpi_thread')
     backend = backends.get_backend(name)(MPI.COMM_SELF)
     try:
         assert backend.link.nodes == 2 and backend.link.bandwidth == 8000
+        assert backend.emulation['emulation'] is True
+        assert 'emulation' in backend.emulation['label']
+        assert backend.emulation['base'] == 'mpi_thread'
     finally:
         backend.close()
+    with pytest.raises(ValueError, match='unknown communication backend'):
+        em.configure(nodes=2, bandwidth=8000, base='nope')
 
 
 def test_backend_completion_follows_the_model():
     # 2 nodes at 8 kbit/s (1000 B/s): a 100 B array takes 0.1 s; posted
     # together, three complete at 0.1, 0.2 and 0.3 s; data unchanged (one
     # real process: the sum is the array itself).
-    backend = em.EmulatedBackend(MPI.COMM_SELF, nodes=2, bandwidth=8000,
-                                 latency=0)
+    backend = em.emulated_backend(MPI.COMM_SELF, base='mpi_thread', nodes=2,
+                                  bandwidth=8000, latency=0)
     try:
         arrays = [np.full(25, i, dtype=np.float32) for i in range(3)]
         t0 = time.perf_counter()
@@ -99,15 +105,36 @@ def test_backend_completion_follows_the_model():
         for i, (d, a) in enumerate(zip(done, arrays)):
             assert d == pytest.approx(0.1 * (i + 1), abs=0.03)
             assert np.all(a == i)
+        # The second one could start only when the first had finished.
         assert handles[1].started_at == pytest.approx(
-            handles[0].posted_at + 0.1, abs=1e-3)
+            handles[0].posted_at + 0.1, abs=0.02)
+    finally:
+        backend.close()
+
+
+@pytest.mark.parametrize('base', sorted(
+    set(backends._BACKENDS) & {'mpi_thread', 'mpi_priority'}))
+def test_every_engine_takes_at_least_the_modelled_time(base):
+    # Whatever the engine's chunking and control exchanges, the link cannot
+    # carry the bytes faster than the model: 4 x 100 B at 1000 B/s.
+    backend = em.emulated_backend(MPI.COMM_SELF, base=base, nodes=2,
+                                  bandwidth=8000, latency=0)
+    try:
+        arrays = [np.full(25, i, dtype=np.float32) for i in range(4)]
+        t0 = time.perf_counter()
+        handles = [backend.allreduce(a) for a in arrays]
+        for h in handles:
+            h.wait()
+        elapsed = time.perf_counter() - t0
+        assert 0.4 <= elapsed < 0.4 + 0.25
+        assert all(np.all(a == i) for i, a in enumerate(arrays))
     finally:
         backend.close()
 
 
 def test_backend_rejects_use_after_close():
-    backend = em.EmulatedBackend(MPI.COMM_SELF, nodes=2, bandwidth=8000,
-                                 latency=0)
+    backend = em.emulated_backend(MPI.COMM_SELF, base='mpi_thread', nodes=2,
+                                  bandwidth=8000, latency=0)
     backend.close()
     with pytest.raises(RuntimeError, match='closed'):
         backend.allreduce(np.zeros(1, np.float32))
