@@ -42,6 +42,9 @@ test-mpi: venv
 # The network test bed needs root and iproute2; its tests skip (saying why)
 # when either is missing.
 test-netbed: venv
+	@if [ "$$(id -u)" = 0 ] && ! command -v tc >/dev/null; then \
+	    (apt-get update -qq && apt-get install -y -qq iproute2) >/dev/null 2>&1 \
+	    || echo "could not install iproute2: the network test-bed tests will skip"; fi
 	$(PY) -m pytest -q -p no:cacheprovider -rs tests/netbed
 
 # The benchmark's own set-up: iproute2 (ip, tc) for the network namespaces,
@@ -60,8 +63,13 @@ bench: bench-deps
 clean:
 	rm -rf $(VENV) .mpi-logs build *.egg-info
 
-# Spatial parallelism (distconv): strong scaling at 1, 2 and 4 processes,
-# memory per process, exposed halo time; benchmarks/results/spatial.json.
+# Spatial parallelism (distconv): strong and weak scaling at 1, 2 and 4
+# processes, memory per process, exposed halo time with overlap on/off;
+# benchmarks/results/spatial.json and spatial.png (matplotlib installed into
+# the venv if missing).  SPATIAL_ARGS passes options, e.g. '--rounds 3'.
+SPATIAL_ARGS ?=
 .PHONY: bench-spatial
 bench-spatial: venv
-	$(PY) benchmarks/spatial_bench.py
+	@$(PY) -c 'import matplotlib' 2>/dev/null || \
+	    $(PY) -m pip install -q matplotlib
+	$(PY) benchmarks/spatial_bench.py $(SPATIAL_ARGS)
