@@ -1,24 +1,36 @@
-"""Strong scaling, memory per process and exposed halo time of distconv.
+"""Strong and weak scaling, memory per process and exposed halo time of distconv.
 
 Run (what ``make bench-spatial`` does)::
 
     .venv/bin/python benchmarks/spatial_bench.py [--insize 512] [--np 1,2,4]
 
-For each process count P it starts ``mpiexec -n P`` on a conv stack
-(3x3 convolutions with global batch norm and ReLU, a strided convolution,
-global pooling) at a fixed global batch (strong scaling), the image split
-over a (P, 1) grid. Inside one run it alternates, round by round, the
-single-process Chainer model on the global batch (rank 0 alone) and the
-distributed step on all P ranks, and reports the *median of the per-round
-ratios* (noise on a shared machine hits both alike). Memory: peak bytes
-allocated by numpy during one training step per process (tracemalloc, which
-numpy reports to), and the bytes still held after forward (the
-activations kept for backward), versus the single-process model. Exposed
-halo time: seconds blocked in halo exchanges per step with overlap on and
-off. Results go to ``benchmarks/results/spatial.json``.
+Model: a conv stack (3x3 convolutions with global batch norm and ReLU, a
+strided convolution, global pooling), the image split over a (P, 1) grid,
+one ``mpiexec -n P`` per process count, each rank with one BLAS thread.
 
-This machine has 2 cores: P = 4 oversubscribes them (labelled so); use the
-P = 2 figures for speed-up, the P = 4 ones for memory per process.
+* Strong scaling (fixed global batch ``insize x insize``): inside one run
+  it alternates, round by round, the single-process Chainer model on the
+  global batch (rank 0 alone) and the distributed step on all P ranks, and
+  reports the *median of the per-round ratios* T(1) / T(P) (noise on a
+  shared machine hits both alike); efficiency = speed-up / P.
+* Weak scaling (fixed block ``insize x insize`` per process, global image
+  ``P * insize`` rows): the same alternation, with the single-process
+  model on one block; efficiency = T(1) / T(P).
+* Memory: peak bytes allocated by numpy during one training step per
+  process (tracemalloc, which numpy reports to), and the bytes still held
+  after forward (the activations kept for backward), versus one process.
+* Exposed halo time: seconds blocked in halo waits per step (forward and
+  backward, mean over ranks), alternating round by round three settings:
+  the blocking exchange (``overlap=False``), overlap without progress calls
+  (``progress_pieces=1``: MPICH moves no data while numpy computes, so
+  nothing is hidden) and overlap with progress calls (the default); with
+  the median of the per-round ratios to the blocking exchange and the
+  fraction of exchanges already complete when their wait began.
+
+Results go to ``benchmarks/results/spatial.json`` and a plot to
+``benchmarks/results/spatial.png``. This machine has 2 cores: P = 4
+oversubscribes them (labelled so); use the P = 2 figures for speed-up, the
+P = 4 ones for memory per process.
 """
 import argparse
 import json
@@ -97,7 +109,54 @@ def _quiet_barrier(mpi):
     """
     req = mpi.Ibarrier()
     while not req.Test():
-        time.sleep(0.0005)
+        # 2 ms: wake-ups of the waiting ranks would otherwise steal a
+        # measurable share of the 2 cores from the rank timing the serial
+        # model (3 waiting ranks at P = 4).
+        time.sleep(0.002)
+
+
+def _halo_modes(grid, dist, x_local, mpi, rounds):
+    """Exposed halo time per step with the three exchange settings."""
+    import numpy as np
+    from mpi4py import MPI
+    modes = (('blocking', False, 1), ('overlap_no_progress', True, 1),
+             ('overlap_progress', True, grid.progress_pieces))
+    default = grid.progress_pieces
+    waits = {m[0]: [] for m in modes}
+    steps = {m[0]: [] for m in modes}
+    halos = {m[0]: [0, 0] for m in modes}
+    for _ in range(rounds):
+        for name, overlap, pieces in modes:
+            grid.overlap, grid.progress_pieces = overlap, pieces
+            grid.stats.clear()
+            _quiet_barrier(mpi)
+            t0 = time.perf_counter()
+            _step(dist, x_local)
+            t = time.perf_counter() - t0
+            st = grid.stats
+            # Mean over ranks: a wait hides on one rank what its peer lags.
+            waits[name].append(mpi.allreduce(
+                st['forward_wait_s'] + st['backward_wait_s']) / mpi.size)
+            steps[name].append(mpi.allreduce(t, op=MPI.MAX))
+            halos[name][0] += (st['forward_halos_ready']
+                               + st['backward_halos_ready'])
+            halos[name][1] += st['forward_halos'] + st['backward_halos']
+    grid.overlap, grid.progress_pieces = True, default
+    off = waits['blocking']
+    out = {}
+    for name, _, pieces in modes:
+        ready = mpi.allreduce(halos[name][0])
+        total = mpi.allreduce(halos[name][1])
+        out[name] = {
+            'progress_pieces': pieces,
+            'median_exposed_halo_s_per_step': float(np.median(waits[name])),
+            'median_ratio_to_blocking': float(np.median(
+                [w / b for w, b in zip(waits[name], off) if b > 0]
+                or [float('nan')])),
+            'median_step_s': float(np.median(steps[name])),
+            'exchanges_complete_before_wait': (ready / total if total
+                                               else None)}
+    return out
 
 
 def worker(args):
@@ -109,31 +168,60 @@ def worker(args):
     P = comm.size
     grid = distconv.SpatialGrid(comm, (P, 1))
     rng = np.random.RandomState(1)
-    shape = (args.batchsize, 3, args.insize, args.insize)
+    weak = args.scaling == 'weak'
+    # Weak scaling: a fixed block per process, the image grows with P.
+    rows = args.insize * P if weak else args.insize
+    shape = (args.batchsize, 3, rows, args.insize)
+    serial_shape = (args.batchsize, 3, args.insize, args.insize)
     dist = _model(grid, args.channels, serial=False)
     box = grid.block(shape[2:])
     x_local = rng.randn(shape[0], 3, *[b - a for a, b in box]).astype(
         np.float32)
-    serial = x_glob = None
+    serial = x_glob = x_block = None
     if comm.rank == 0:
         serial = _model(None, args.channels, serial=True)
-        x_glob = rng.randn(*shape).astype(np.float32)
+        x_glob = rng.randn(*serial_shape).astype(np.float32)
         _step(serial, x_glob)
+        if not weak and P > 1:
+            # Plain Chainer on one process's block: separates the size
+            # effect (Chainer's cost per cell grows with the image: bigger
+            # im2col buffers, freshly mapped and page-faulted each step)
+            # from distconv's own efficiency.
+            x_block = rng.randn(*x_local.shape).astype(np.float32)
+            _step(serial, x_block)
     _step(dist, x_local)  # warm-up: plans, validation, allocations
-    out = {'processes': P, 'grid': [P, 1]}
-    ratios, t_serial, t_dist = [], [], []
-    for _ in range(args.rounds):
-        _quiet_barrier(mpi)
-        ts = None
-        if comm.rank == 0:
+    out = {'scaling': args.scaling, 'processes': P, 'grid': [P, 1],
+           'global_image': list(shape[2:]),
+           'serial_image': list(serial_shape[2:]),
+           'block_per_process': [b - a for a, b in box]}
+    ratios, t_serial, t_dist, t_block = [], [], [], []
+
+    def serial_steps():
+        if comm.rank != 0:
+            return None
+        t0 = time.perf_counter()
+        _step(serial, x_glob)
+        ts = time.perf_counter() - t0
+        if x_block is not None:
             t0 = time.perf_counter()
-            _step(serial, x_glob)
-            ts = time.perf_counter() - t0
+            _step(serial, x_block)
+            t_block.append(time.perf_counter() - t0)
+        return ts
+
+    for i in range(args.rounds):
+        # The order alternates: whichever runs second in a round was
+        # measured slower by a few per cent (identical kernels at P = 1).
         _quiet_barrier(mpi)
+        if i % 2 == 0:
+            ts = serial_steps()
+            _quiet_barrier(mpi)
         t0 = time.perf_counter()
         _step(dist, x_local)
         mpi.Barrier()
         td = time.perf_counter() - t0
+        if i % 2 == 1:
+            _quiet_barrier(mpi)
+            ts = serial_steps()
         if comm.rank == 0:
             ratios.append(ts / td)
             t_serial.append(ts)
@@ -141,22 +229,29 @@ def worker(args):
     if comm.rank == 0:
         sp = float(np.median(ratios))
         out.update(median_serial_step_s=float(np.median(t_serial)),
-                   median_distributed_step_s=float(np.median(t_dist)),
-                   speedup_median_of_ratios=sp, efficiency=sp / P)
-    # Exposed halo time, overlap on and off, alternating.
-    waits = {True: [], False: []}
-    for _ in range(args.rounds):
-        for overlap in (True, False):
-            grid.overlap = overlap
-            grid.stats.clear()
-            mpi.Barrier()
-            _step(dist, x_local)
-            waits[overlap].append(grid.stats['forward_wait_s']
-                                  + grid.stats['backward_wait_s'])
-    grid.overlap = True
-    w = {k: mpi.allreduce(float(np.median(v))) / P for k, v in waits.items()}
-    out['exposed_halo_s_per_step_mean_over_ranks'] = {
-        'overlap_on': w[True], 'overlap_off': w[False]}
+                   median_distributed_step_s=float(np.median(t_dist)))
+        if weak:
+            out['weak_efficiency_median_of_ratios'] = sp
+        else:
+            out.update(speedup_median_of_ratios=sp, efficiency=sp / P)
+        if t_block:
+            out.update(
+                median_serial_block_step_s=float(np.median(t_block)),
+                # > 1: Chainer on the whole image costs more per cell than
+                # on one block, which alone makes strong scaling look
+                # superlinear.
+                serial_size_effect=float(np.median(
+                    [a / (P * b) for a, b in zip(t_serial, t_block)])),
+                # distconv's step vs Chainer on the same block: the
+                # efficiency without the size effect.
+                efficiency_vs_serial_on_block=float(np.median(
+                    [b / d for b, d in zip(t_block, t_dist)])))
+    if P > 1:
+        out['halo'] = _halo_modes(grid, dist, x_local, mpi, args.rounds)
+    if weak:
+        if comm.rank == 0:
+            print('RESULT ' + json.dumps(out), flush=True)
+        return
     peak, held = _memory(dist, x_local)
     peaks = mpi.gather(peak)
     helds = mpi.gather(held)
@@ -171,59 +266,141 @@ def worker(args):
         print('RESULT ' + json.dumps(out), flush=True)
 
 
-def main():
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument('--insize', type=int, default=256)
-    p.add_argument('--batchsize', type=int, default=2)
-    p.add_argument('--channels', type=int, default=16)
-    p.add_argument('--rounds', type=int, default=5)
-    p.add_argument('--np', default='1,2,4')
-    p.add_argument('--out', default=os.path.join(HERE, 'results',
-                                                 'spatial.json'))
-    p.add_argument('--worker', action='store_true', help=argparse.SUPPRESS)
-    args = p.parse_args()
-    if args.worker:
-        return worker(args)
+def _run(args, n, scaling):
     mpiexec = os.path.join(os.path.dirname(sys.executable), 'mpiexec')
     env = dict(os.environ, OMP_NUM_THREADS='1', OPENBLAS_NUM_THREADS='1',
                MKL_NUM_THREADS='1')
+    cmd = [mpiexec, '-n', str(n), sys.executable, os.path.abspath(__file__),
+           '--worker', '--scaling', scaling, '--insize', str(args.insize),
+           '--batchsize', str(args.batchsize), '--channels',
+           str(args.channels), '--rounds', str(args.rounds)]
+    res = subprocess.run(cmd, env=env, capture_output=True, text=True,
+                         cwd=ROOT, timeout=1800)
+    lines = [ln for ln in res.stdout.splitlines() if ln.startswith('RESULT ')]
+    if res.returncode or not lines:
+        sys.stderr.write(res.stdout[-3000:] + res.stderr[-3000:])
+        raise SystemExit('spatial_bench: the %s-scaling run at -n %d failed'
+                         % (scaling, n))
+    run = json.loads(lines[-1][len('RESULT '):])
+    cores = os.cpu_count()
+    run['label'] = ('oversubscribed: %d processes on %d cores' % (n, cores)
+                    if n > cores else 'noisy: shared %d-core machine' % cores)
+    return run
+
+
+def plot(result, path):
+    """Writes a PNG: strong-scaling speed-up and memory, weak efficiency."""
+    import matplotlib
+    matplotlib.use('Agg')
+    import matplotlib.pyplot as plt
+    cores = result['machine']['cpu_count']
+    strong = [r for r in result['runs'] if r['scaling'] == 'strong']
+    weak = [r for r in result['runs'] if r['scaling'] == 'weak']
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
+
+    def series(ax, runs, key, label, marker):
+        ps = [r['processes'] for r in runs]
+        vs = [key(r) for r in runs]
+        ax.plot(ps, vs, marker + '-', label=label)
+        for p, v in zip(ps, vs):
+            if p > cores:  # hollow marker: oversubscribed
+                ax.plot([p], [v], marker, mfc='white', ms=10, color='k')
+    ps = [r['processes'] for r in strong]
+    ax = axes[0]
+    series(ax, strong, lambda r: r['speedup_median_of_ratios'], 'measured',
+           'o')
+    series(ax, strong, lambda r: r['processes'] * r.get(
+        'efficiency_vs_serial_on_block', 1.0),
+        'P x (Chainer on one block / distconv)', 's')
+    ax.plot(ps, ps, 'k:', label='ideal')
+    ax.axhline(cores, color='grey', lw=0.8, ls='--', label='%d cores' % cores)
+    ax.set(title='Strong scaling %dx%d' % tuple(strong[0]['global_image']),
+           xlabel='processes', ylabel='speed-up vs 1 process (Chainer)')
+    ax = axes[1]
+    series(ax, strong, lambda r: r['memory']['peak_ratio_vs_serial'],
+           'peak during step', 'o')
+    series(ax, strong, lambda r: r['memory']['held_ratio_vs_serial'],
+           'held after forward', 's')
+    ax.plot(ps, [1.0 / p for p in ps], 'k:', label='1/P')
+    ax.set(title='Memory per process', xlabel='processes',
+           ylabel='max over processes / 1 process')
+    ax = axes[2]
+    if weak:
+        series(ax, weak, lambda r: r['weak_efficiency_median_of_ratios'],
+               'measured', 'o')
+        wp = [r['processes'] for r in weak]
+        ax.plot(wp, [1.0] * len(wp), 'k:', label='ideal')
+        ax.set(title='Weak scaling, %dx%d per process'
+               % tuple(weak[0]['serial_image']), xlabel='processes',
+               ylabel='efficiency T(1) / T(P)', ylim=(0, 1.2))
+    for ax in axes:
+        ax.set_xticks(ps)
+        ax.legend(fontsize=8)
+        ax.grid(alpha=0.3)
+    fig.suptitle('distconv on a shared %d-core machine (hollow: '
+                 'oversubscribed; medians of per-round ratios)' % cores,
+                 fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument('--insize', type=int, default=512)
+    p.add_argument('--batchsize', type=int, default=1)
+    p.add_argument('--channels', type=int, default=16)
+    p.add_argument('--rounds', type=int, default=6)
+    p.add_argument('--np', default='1,2,4')
+    p.add_argument('--weak-insize', type=int, default=256,
+                   help='block size per process for weak scaling')
+    p.add_argument('--out', default=os.path.join(HERE, 'results',
+                                                 'spatial.json'))
+    p.add_argument('--plot-only', action='store_true',
+                   help='redraw the PNG from an existing --out JSON')
+    p.add_argument('--worker', action='store_true', help=argparse.SUPPRESS)
+    p.add_argument('--scaling', default='strong', help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.worker:
+        return worker(args)
+    if args.plot_only:
+        with open(args.out) as f:
+            plot(json.load(f), os.path.splitext(args.out)[0] + '.png')
+        return None
     runs = []
-    for n in [int(v) for v in args.np.split(',')]:
-        cmd = [mpiexec, '-n', str(n), sys.executable, os.path.abspath(
-            __file__), '--worker', '--insize', str(args.insize),
-            '--batchsize', str(args.batchsize), '--channels',
-            str(args.channels), '--rounds', str(args.rounds)]
-        res = subprocess.run(cmd, env=env, capture_output=True, text=True,
-                             cwd=ROOT, timeout=1800)
-        lines = [ln for ln in res.stdout.splitlines()
-                 if ln.startswith('RESULT ')]
-        if res.returncode or not lines:
-            sys.stderr.write(res.stdout[-3000:] + res.stderr[-3000:])
-            raise SystemExit('spatial_bench: the run at -n %d failed' % n)
-        run = json.loads(lines[-1][len('RESULT '):])
-        cores = os.cpu_count()
-        run['label'] = ('oversubscribed: %d processes on %d cores' %
-                        (n, cores) if n > cores else 'noisy: shared machine')
-        runs.append(run)
-        sys.stdout.write(json.dumps(run) + '\n')
+    nps = [int(v) for v in args.np.split(',')]
+    for n in nps:
+        runs.append(_run(args, n, 'strong'))
+        sys.stdout.write(json.dumps(runs[-1]) + '\n')
+    weak_args = argparse.Namespace(**vars(args))
+    weak_args.insize = args.weak_insize
+    for n in nps:
+        runs.append(_run(weak_args, n, 'weak'))
+        sys.stdout.write(json.dumps(runs[-1]) + '\n')
     result = {
-        'benchmark': 'distconv strong scaling (fixed global batch), conv '
-                     'stack 3x3 conv-BN-ReLU x2 + strided conv, grid (P, 1)',
-        'config': vars(args),
+        'benchmark': 'distconv strong scaling (fixed global batch) and weak '
+                     'scaling (fixed block per process), conv stack 3x3 '
+                     'conv-BN-ReLU x2 + strided conv, grid (P, 1)',
+        'config': {k: v for k, v in vars(args).items()
+                   if k not in ('worker', 'scaling')},
         'machine': {'platform': platform.platform(),
                     'python': platform.python_version(),
                     'cpu_count': os.cpu_count(),
                     'loadavg_at_end': os.getloadavg()},
-        'notes': 'Timings on a shared 2-core machine are noisy; speed-up is '
-                 'the median over rounds of T_serial / T_distributed '
-                 'measured in the same run. P > cores oversubscribes: use '
-                 'it for memory, not speed. Memory is what numpy allocates '
-                 '(tracemalloc).',
+        'notes': 'Timings on a shared 2-core machine are noisy (other '
+                 'jobs run on it; see loadavg_at_end); speed-up and weak '
+                 'efficiency are medians over rounds of T_serial / '
+                 'T_distributed measured in the same run. P > cores '
+                 'oversubscribes: use it for memory, not speed. Memory is '
+                 'what numpy allocates (tracemalloc). halo: exposed (not '
+                 'hidden) halo-wait seconds per step, mean over ranks.',
         'runs': runs}
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, 'w') as f:
         json.dump(result, f, indent=1)
-    sys.stdout.write('wrote %s\n' % args.out)
+    png = os.path.splitext(args.out)[0] + '.png'
+    plot(result, png)
+    sys.stdout.write('wrote %s and %s\n' % (args.out, png))
 
 
 if __name__ == '__main__':

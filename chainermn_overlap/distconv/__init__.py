@@ -30,14 +30,29 @@ Exactness:
 Performance:
     * Overlap (``SpatialGrid(comm, shape, overlap=True)``, the default):
       convolutions and poolings post their halo messages, compute the
-      interior of their output block (windows inside the owned block) on a
-      view of the block, then wait and compute the ``2 * ndim`` boundary
+      interior of their output block (windows inside the owned block) on
+      views of the block, then wait and compute the ``2 * ndim`` boundary
       slabs (edges and corners, for 1, 2 or 3 split dimensions). In
       backward the halo gradients are posted before the interior's input
       and weight gradients are computed. ``grid.overlap = False`` selects
       the blocking exchange (needed for double backpropagation). Layers
       whose windows never leave the owned block (1x1 convolutions, aligned
       pooling) exchange nothing.
+    * Progress: MPICH (shared memory, UCX, TCP) moves data only inside MPI
+      calls, so a message posted before a long numpy computation does not
+      move until the wait, and posting early alone hides nothing. The
+      interior is therefore computed in up to ``progress_pieces`` pieces
+      (default 4; fewer for small layers, see ``progress_min_cells``) with
+      an ``MPI_Testall`` between two pieces, in forward and in backward:
+      it costs microseconds and needs no extra thread or core.
+      ``grid.stats['forward_halos_ready']`` / ``['forward_halos']`` (and
+      ``backward_...``) count the exchanges already complete when their
+      wait began; ``forward_wait_s``/``backward_wait_s`` the time still
+      exposed (``make bench-spatial`` compares the settings).
+    * One process per sample group (``prod(shape) == 1``): every layer is
+      the plain Chainer call on whole samples (and batch normalisation on a
+      single process is Chainer's), so a 1x1 grid costs nothing over
+      Chainer and supports double backpropagation.
     * Validation (``check='cached'``, the default): each distinct input
       geometry is validated once with an allgather; later calls agree on a
       fingerprint with one tiny allreduce, and fall back to the full check

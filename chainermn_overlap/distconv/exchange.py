@@ -163,12 +163,15 @@ def _check_no_double_backprop():
 
 
 class HaloState(object):
-    """What the two halves of an overlapped exchange share.
+    """What the parts of an overlapped exchange share.
 
-    :class:`HaloStart` posts the messages, :class:`HaloFinish` waits for
-    them; in backward :class:`HaloFinish` posts the adjoint messages and
-    :class:`HaloStart` waits for them, so that computation scheduled
-    between the two halves (the interior of the output) hides them.
+    :class:`HaloStart` posts the messages, :class:`HaloProgress` nodes
+    between pieces of the interior computation let MPI move them, and
+    :class:`HaloFinish` waits for them. In backward :class:`HaloFinish`
+    posts the adjoint messages, the same :class:`HaloProgress` nodes drive
+    them between the pieces' gradients, and :class:`HaloStart` waits for
+    them, so the computation scheduled in between (the interior of the
+    output) hides them.
 
     Args:
         grid (SpatialGrid): The grid.
@@ -181,22 +184,83 @@ class HaloState(object):
         self.pending = None
         self.adjoint_pending = None
         self.x_shape = None
+        self.dtype = None
+        # Gradients of the boundary slabs' locally owned input cells, left
+        # by HaloFinish.backward for HaloStart.backward, which adds them to
+        # the one gradient array of the block (no second full-size buffer).
+        self.local_grads = []
+
+    def progress(self, direction):
+        """Drives MPI progress of the messages in flight, if any.
+
+        Args:
+            direction (str): ``'forward'`` (halo) or ``'backward'``
+                (adjoint messages).
+        """
+        pending = (self.pending if direction == 'forward'
+                   else self.adjoint_pending)
+        if pending is None or not pending.has_messages:
+            return
+        self.grid.stats['progress_calls'] += 1
+        pending.test()
+
+    def wait(self, direction):
+        """Completes the messages of one direction and records the wait.
+
+        Counts ``<direction>_halos`` (exchanges with messages) and
+        ``<direction>_halos_ready`` (those whose messages had all completed
+        in a progress call before this wait, i.e. fully hidden), and adds
+        the seconds blocked to ``<direction>_wait_s``.
+
+        Returns:
+            list: The received arrays.
+        """
+        if direction == 'forward':
+            pending, self.pending = self.pending, None
+        else:
+            pending, self.adjoint_pending = self.adjoint_pending, None
+        stats = self.grid.stats
+        if pending.has_messages:
+            stats[direction + '_halos'] += 1
+            if pending.completed:
+                stats[direction + '_halos_ready'] += 1
+        t0 = time.perf_counter()
+        got = pending.wait()
+        stats[direction + '_wait_s'] += time.perf_counter() - t0
+        return got
+
+
+def _views(x, boxes, origin):
+    """Views of ``x`` (cell 0 at ``origin``) selecting each box."""
+    outs = []
+    for box in boxes:
+        if geometry.box_is_empty(box):
+            # An empty box may lie outside the array; any empty view does.
+            outs.append(x[(Ellipsis,) + tuple(slice(0, 0) for _ in box)])
+        else:
+            outs.append(x[_sel(box, origin)])
+    return outs
 
 
 class HaloStart(function_node.FunctionNode):
-    """First half of an overlapped exchange: posts the halo messages.
+    """First part of an overlapped exchange: posts the halo messages.
 
-    Its output is an empty array that only orders the graph: the second
-    half takes it as input, so in backward this node (which waits for the
-    adjoint messages) runs after the second half and after everything
-    scheduled between them.
+    Outputs an empty token, which only orders the graph (the second half
+    takes it as input, so in backward this node runs after it and after
+    everything scheduled in between), followed by one view of the block per
+    box of ``in_boxes`` (the input boxes of the interior pieces). Taking
+    the views here rather than with ``F.get_item`` lets backward build the
+    block's gradient in one array: the pieces' gradients, the boundary
+    slabs' local parts and the adjoint messages are all added to it.
 
     Args:
         state (HaloState): Shared with the matching :class:`HaloFinish`.
+        in_boxes (list of tuple): Global boxes inside the owned block.
     """
 
-    def __init__(self, state):
+    def __init__(self, state, in_boxes=()):
         self.state = state
+        self.in_boxes = list(in_boxes)
 
     def forward(self, inputs):
         x, = inputs
@@ -211,36 +275,66 @@ class HaloStart(function_node.FunctionNode):
                  for peer, box in plan.recvs]
         st.pending = _comm.post_exchange(st.grid.mpi_spatial, sends, recvs,
                                          x)
-        return xp.zeros((0,), dtype=x.dtype),
+        return (xp.zeros((0,), dtype=x.dtype),) + tuple(
+            _views(x, self.in_boxes, own0))
 
     def backward(self, indexes, grad_outputs):
         _check_no_double_backprop()
         st = self.state
         plan = st.plan
-        t0 = time.perf_counter()
-        got = st.adjoint_pending.wait()
-        st.grid.stats['backward_wait_s'] += time.perf_counter() - t0
-        st.adjoint_pending = None
-        # The token's gradient (an empty array from HaloFinish.backward) is
-        # on the device of the block.
-        xp = backend.get_array_module(grad_outputs[0].array)
-        gx = xp.zeros(st.x_shape, dtype=st.dtype)
+        arrays = [g.array for g in grad_outputs if g is not None]
+        xp = backend.get_array_module(*arrays) if arrays else numpy
         own0 = _origin(plan.own)
-        for (_, box), buf in zip(plan.sends, got):
-            gx[_sel(box, own0)] += buf
+        gx = xp.zeros(st.x_shape, dtype=st.dtype)
+        # Local work first: it hides the rest of the adjoint messages.
+        for box, g in zip(self.in_boxes, grad_outputs[1:]):
+            if g is not None and not geometry.box_is_empty(box):
+                gx[_sel(box, own0)] += g.array
+        for sel, g in st.local_grads:
+            gx[sel] += g
+        st.local_grads = []
+        if st.adjoint_pending is not None:
+            got = st.wait('backward')
+            for (_, box), buf in zip(plan.sends, got):
+                gx[_sel(box, own0)] += buf
         return chainer.Variable(gx),
+
+
+class HaloProgress(function_node.FunctionNode):
+    """Identity on a piece of the block that drives MPI progress.
+
+    Inputs are ``(x_piece, after)``: ``after`` (the previous piece's output)
+    only orders the graph, so that in forward this node runs between two
+    interior pieces and in backward between their gradients. Each time it
+    lets MPI move the messages in flight (:meth:`HaloState.progress`).
+
+    Args:
+        state (HaloState): The exchange whose messages to progress.
+    """
+
+    def __init__(self, state):
+        self.state = state
+
+    def forward(self, inputs):
+        self.state.progress('forward')
+        return inputs[0],
+
+    def backward(self, indexes, grad_outputs):
+        self.state.progress('backward')
+        return tuple(grad_outputs[0] if i == 0 else None for i in indexes)
 
 
 class HaloFinish(function_node.FunctionNode):
     """Second half of an overlapped exchange: waits, builds input boxes.
 
-    Inputs are ``(x, token, after)``: this process's block, the output of
+    Inputs are ``(x, token, after)``: this process's block, the token of
     :class:`HaloStart`, and any variable computed in between (the interior
     output), which only places this node after it in the graph. Outputs
     are the requested global boxes, each filled from the local block, the
     received halos and ``fill`` for padding. In backward, the gradients of
-    those boxes are split into the local part (returned) and the parts of
-    other processes, which are posted back to their owners at once.
+    those boxes are split into the local part (left for
+    :class:`HaloStart`) and the parts of other processes, which are posted
+    back to their owners at once.
 
     Args:
         state (HaloState): Shared with the matching :class:`HaloStart`.
@@ -258,10 +352,7 @@ class HaloFinish(function_node.FunctionNode):
         st = self.state
         plan = st.plan
         xp = backend.get_array_module(x)
-        t0 = time.perf_counter()
-        got = st.pending.wait()
-        st.grid.stats['forward_wait_s'] += time.perf_counter() - t0
-        st.pending = None
+        got = st.wait('forward')
         own0 = _origin(plan.own)
         lead = x.shape[:2]
         outs = []
@@ -294,9 +385,9 @@ class HaloFinish(function_node.FunctionNode):
         xp = backend.get_array_module(*arrays) if arrays else numpy
         lead = st.x_shape[:2]
         own0 = _origin(plan.own)
-        gx = xp.zeros(st.x_shape, dtype=st.dtype)
         back = [xp.zeros(lead + geometry.box_shape(rbox), dtype=st.dtype)
                 for _, rbox in plan.recvs]
+        local = []
         for box, g in zip(self.boxes, grads):
             if g is None or geometry.box_is_empty(box):
                 continue
@@ -304,25 +395,24 @@ class HaloFinish(function_node.FunctionNode):
             if plan.local is not None:
                 part = geometry.intersect(plan.local, box)
                 if not geometry.box_is_empty(part):
-                    gx[_sel(part, own0)] += g[_sel(part, o0)]
+                    local.append((_sel(part, own0), g[_sel(part, o0)]))
             for (_, rbox), buf in zip(plan.recvs, back):
                 part = geometry.intersect(rbox, box)
                 if not geometry.box_is_empty(part):
                     buf[_sel(part, _origin(rbox))] += g[_sel(part, o0)]
+        st.local_grads = local
         # The roles are mirrored: what was received goes back to its owner;
         # the owner waits for it in HaloStart.backward.
-        template = gx
         st.adjoint_pending = _comm.post_exchange(
             st.grid.mpi_spatial,
             [(peer, buf) for (peer, _), buf in zip(plan.recvs, back)],
             [(peer, lead + geometry.box_shape(box))
-             for peer, box in plan.sends], template)
+             for peer, box in plan.sends], xp.empty((0,), dtype=st.dtype))
         out = []
         for i in indexes:
-            if i == 0:
-                out.append(chainer.Variable(gx))
-            elif i == 1:
-                # Non-None, so that Chainer goes on to HaloStart.backward.
+            if i == 1:
+                # Non-None, so that Chainer goes on to HaloStart.backward,
+                # which adds the local parts and the adjoint messages.
                 out.append(chainer.Variable(xp.zeros((0,), dtype=st.dtype)))
             else:
                 out.append(None)

@@ -49,26 +49,33 @@ def _window_apply(grid, x, layer, layout, ksize, stride, pad, dilate,
                   cover_all, fill, op, out_channels, extra=(), depth=1):
     """Runs a window operation on this process's output block.
 
-    Three paths, chosen from global information only (so every process
+    Four paths, chosen from global information only (so every process
     builds the same graph, which keeps the order of collective operations
     in backward the same everywhere):
 
+    * one process per sample group (``grid.spatial_size == 1``): each
+      process holds whole samples, so ``op`` runs directly on the block
+      with the layer's padding, exactly the single-process Chainer call,
+      without any distconv machinery;
     * no process needs cells it does not own (1x1 kernels, aligned
       pooling): ``op`` runs on a view of the block, without messages;
     * ``grid.overlap``: the halo messages are posted, the interior of the
-      output (windows inside the owned block) is computed on a view of the
-      block while they are in flight, then the boundary slabs are computed
-      from small boxes built from the block, the halos and the padding. In
-      backward the adjoint messages are posted before the interior's
-      gradients (input and parameters) are computed. No copy of the whole
-      block is made;
+      output (windows inside the owned block) is computed on views of the
+      block while they are in flight, in ``grid.progress_pieces`` pieces
+      with an MPI progress call between two pieces (MPI moves data only
+      inside MPI calls), then the boundary slabs are computed from small
+      boxes built from the block, the halos and the padding. In backward
+      the adjoint messages are posted before the interior's gradients
+      (input and parameters) are computed, piece by piece with progress
+      calls in between. No copy of the whole block is made;
     * otherwise the blocking :class:`RegionExchange` builds the whole
       needed box (block, halos and padding) and ``op`` runs on it.
 
     Args:
         op (callable): ``op(x_in, in_box)`` runs the Chainer function
             without padding on the input box ``x_in`` (global box
-            ``in_box``) and returns a Variable.
+            ``in_box``) and returns a Variable; ``op(x, None)`` runs it
+            with the layer's own padding and ``cover_all`` on whole samples.
         out_channels (int): Channels of the output.
         extra (tuple): Other inputs of ``op`` (parameters), given gradients
             (zeros) where a piece is empty.
@@ -88,13 +95,9 @@ def _window_apply(grid, x, layer, layout, ksize, stride, pad, dilate,
             'ksize=%r, stride=%r, pad=%r, dilate=%r (output size %r). Use '
             'a larger input, more padding or a smaller kernel.'
             % (layer, in_shape, ksize, stride, pad, dilate, out_shape))
-    (plan, _, out_box, interior, slabs, interior_in, slab_ins,
-     any_halo) = geometry.overlap_plan(
-        in_shape, grid.shape, ksize, stride, pad, dilate, bool(cover_all),
-        grid.spatial_rank)
     lead = (x.shape[0], out_channels)
 
-    def run(x_in, in_box, box):
+    def run(x_in, in_box, box, depth=depth):
         shape = lead + geometry.box_shape(box)
         if numpy.prod(shape) == 0:
             y = exchange.ZeroBlock(shape).apply((x_in,) + tuple(extra))[0]
@@ -102,6 +105,19 @@ def _window_apply(grid, x, layer, layout, ksize, stride, pad, dilate,
                 y = F.identity(y)
             return y
         return op(x_in, in_box)
+
+    if grid.spatial_size == 1:
+        # Whole samples: nothing to exchange, nothing to split. The direct
+        # Chainer call is one FunctionNode on every process (op's direct
+        # form), so empty sample groups mirror depth 1.
+        grid.stats['exchange_none'] += 1
+        if x.shape[0] == 0:
+            return run(x, None, tuple((0, n) for n in out_shape), depth=1)
+        return op(x, None)
+    (plan, _, out_box, interior, slabs, interior_in, slab_ins,
+     any_halo) = geometry.overlap_plan(
+        in_shape, grid.shape, ksize, stride, pad, dilate, bool(cover_all),
+        grid.spatial_rank)
 
     own0 = tuple(iv[0] for iv in plan.own)
     if not any_halo:
@@ -115,19 +131,47 @@ def _window_apply(grid, x, layer, layout, ksize, stride, pad, dilate,
         x_ext = exchange.region_exchange(grid, x, plan, fill)
         return run(x_ext, plan.ext, out_box)
     grid.stats['exchange_overlapped'] += 1
+    n_pieces = _interior_pieces(grid, out_shape, out_channels)
+    pieces = geometry.split_box(interior, n_pieces)
+    piece_ins = [geometry.window_input_box(b, ksize, stride, pad, dilate)
+                 for b in pieces]
     state = exchange.HaloState(grid, plan)
-    token = exchange.HaloStart(state).apply((x,))[0]
-    if geometry.box_is_empty(interior):
-        int_sel = tuple(slice(0, 0) for _ in own0)
-    else:
-        int_sel = geometry.box_slices(interior_in, own0)
-    y_int = run(x[(Ellipsis,) + int_sel], interior_in, interior)
+    outs = exchange.HaloStart(state, piece_ins).apply((x,))
+    token, views = outs[0], outs[1:]
+    ys = []
+    for view, in_box, box in zip(views, piece_ins, pieces):
+        if ys:
+            # Orders this piece after the previous one (in backward: its
+            # gradient before the previous one's), with a progress call in
+            # between. Without a gradient for the block there are no
+            # adjoint messages to drive, so the order only matters in
+            # forward: a plain array keeps the piece out of backward's
+            # input-gradient computation.
+            after = ys[-1] if x.requires_grad else ys[-1].array
+            view = exchange.HaloProgress(state).apply((view, after))[0]
+        ys.append(run(view, in_box, box))
     x_slabs = exchange.HaloFinish(state, slab_ins, fill).apply(
-        (x, token, y_int))
-    ys = [run(xs, box, slab)
-          for xs, box, slab in zip(x_slabs, slab_ins, slabs)]
-    return exchange.Assemble(out_box, [interior] + list(slabs)).apply(
-        [y_int] + ys)[0]
+        (x, token, ys[-1]))
+    ys += [run(xs, box, slab)
+           for xs, box, slab in zip(x_slabs, slab_ins, slabs)]
+    return exchange.Assemble(out_box, pieces + list(slabs)).apply(ys)[0]
+
+
+def _interior_pieces(grid, out_shape, out_channels):
+    """Number of interior pieces, the same on every process.
+
+    Depends on global sizes only (the graph, and so the order of collective
+    operations in backward, must be the same everywhere). Pieces below
+    ``grid.progress_min_cells`` output values per sample are not worth
+    their per-call overhead (a few Chainer calls each).
+    """
+    pieces = max(1, int(grid.progress_pieces))
+    if pieces == 1:
+        return 1
+    per_process = int(numpy.prod(out_shape)) * out_channels \
+        // grid.spatial_size
+    affordable = per_process // max(1, int(grid.progress_min_cells))
+    return max(1, min(pieces, affordable))
 
 
 def _check_grid_ndim(grid, ndim, layer):
@@ -188,10 +232,13 @@ def convolution_nd(grid, x, W, b=None, stride=1, pad=0, cover_all=False,
             'input.' % (layer, layout.channels, W.shape, groups, c_in))
 
     def op(x_in, in_box):
+        # in_box None: whole samples, the layer's own padding (1 process
+        # per sample group); otherwise a box that already holds the padding.
+        p, ca = (pad, cover_all) if in_box is None else (0, False)
         if ndim == 2:
-            return F.convolution_2d(x_in, W, b, stride, 0, dilate=dilate,
-                                    groups=groups)
-        return F.convolution_nd(x_in, W, b, stride, 0, dilate=dilate,
+            return F.convolution_2d(x_in, W, b, stride, p, ca,
+                                    dilate=dilate, groups=groups)
+        return F.convolution_nd(x_in, W, b, stride, p, ca, dilate=dilate,
                                 groups=groups)
 
     params = (W,) + ((b,) if b is not None else ())
@@ -263,6 +310,9 @@ def _max_pooling(grid, x, ksize, stride, pad, cover_all, return_indices,
     ksize, stride, pad = _pool_args(grid, layer, ksize, stride, pad)
 
     def op(x_in, in_box):
+        if in_box is None:  # whole samples (see convolution_nd)
+            return F.max_pooling_nd(x_in, ksize, stride, pad,
+                                    cover_all=cover_all)
         return F.max_pooling_nd(x_in, ksize, stride, 0, cover_all=False)
 
     return _window_apply(grid, x, layer, layout, ksize, stride, pad,
@@ -312,6 +362,9 @@ def _average_pooling(grid, x, ksize, stride, pad, pad_value, layer):
     ksize, stride, pad = _pool_args(grid, layer, ksize, stride, pad)
 
     def op(x_in, in_box):
+        if in_box is None:  # whole samples (see convolution_nd)
+            return F.average_pooling_nd(x_in, ksize, stride, pad,
+                                        pad_value=pad_value)
         y = F.average_pooling_nd(x_in, ksize, stride, 0)
         if pad_value is None:
             # Chainer divides by the number of non-padding cells per

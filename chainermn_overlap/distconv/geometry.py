@@ -366,3 +366,37 @@ def overlap_plan(in_shape, grid_shape, ksize, stride, pad, dilate, cover_all,
             break
     return (plan, out_shape, out_box, interior, slabs, interior_in,
             slab_ins, any_halo)
+
+
+def split_box(box, pieces):
+    """Splits a box into ``pieces`` balanced boxes along its longest side.
+
+    The overlapped path computes the interior in pieces and drives MPI
+    progress between them; the number of pieces must be the same on every
+    process (it shapes the computational graph), so some pieces may be
+    empty when a box is thin or empty.
+
+    Args:
+        box (tuple): The box to split.
+        pieces (int): Number of pieces (>= 1).
+
+    Returns:
+        list: ``pieces`` boxes tiling ``box`` in ascending order along the
+        longest dimension (the first one of equal lengths); empty boxes
+        where there is nothing left to split.
+    """
+    if pieces < 1:
+        raise ValueError('split_box: pieces must be >= 1, got %d' % pieces)
+    if pieces == 1:
+        return [tuple(box)]
+    sizes = box_shape(box)
+    if box_is_empty(box):
+        empty = tuple((iv[0], iv[0]) for iv in box)
+        return [empty] * pieces
+    d = sizes.index(max(sizes))
+    lo = box[d][0]
+    out = []
+    for i in range(pieces):
+        a, b = block_range(sizes[d], pieces, i)
+        out.append(tuple(box[:d]) + ((lo + a, lo + b),) + tuple(box[d + 1:]))
+    return out

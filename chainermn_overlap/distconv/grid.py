@@ -63,6 +63,16 @@ class SpatialGrid(object):
         check (str): ``'cached'`` (default) validates each distinct input
             geometry once and then agrees on a fingerprint; ``'always'``
             runs the full allgather check on every call.
+        progress_pieces (int): With ``overlap``, the interior of a window
+            operation is computed in up to this many pieces, with an MPI
+            progress call (``Testall``) between two pieces, forward and
+            backward. MPICH moves data only inside MPI calls, so without
+            them (``1``) the halo sits still while the interior is computed
+            and nothing is hidden. Default 4.
+        progress_min_cells (int): Fewest output values per sample (cells
+            times channels, per process) a piece must have; smaller layers
+            use fewer pieces, as each piece costs a few Chainer calls.
+            Default 32768.
 
     Attributes:
         shape (tuple of int): The grid shape.
@@ -75,15 +85,25 @@ class SpatialGrid(object):
         spatial_rank (int): This process's rank inside its group.
         coords (tuple of int): This process's grid coordinates.
         overlap (bool): See the argument.
+        progress_pieces (int): See the argument; can be changed between
+            iterations (the same on every process).
+        progress_min_cells (int): See the argument; likewise.
         stats (collections.Counter): Counters and seconds since the last
             ``stats.clear()``: ``validate_full``/``validate_cached`` (layout
             checks), ``exchange_overlapped``/``exchange_blocking``/
-            ``exchange_none`` (window operations by path), and
-            ``forward_wait_s``/``backward_wait_s`` (time blocked waiting for
-            halo messages, i.e. communication not hidden by computation).
+            ``exchange_none`` (window operations by path; a grid with one
+            process per sample group runs every one directly, counted as
+            ``exchange_none``), ``forward_wait_s``/``backward_wait_s``
+            (time blocked waiting for halo messages, i.e. communication not
+            hidden by computation), ``progress_calls``, and, for the
+            overlapped path, ``forward_halos``/``backward_halos``
+            (exchanges with messages) and ``forward_halos_ready``/
+            ``backward_halos_ready`` (those already complete when their
+            wait began, i.e. fully hidden).
     """
 
-    def __init__(self, comm, shape, overlap=True, check='cached'):
+    def __init__(self, comm, shape, overlap=True, check='cached',
+                 progress_pieces=4, progress_min_cells=32768):
         mpi_comm = getattr(comm, 'mpi_comm', comm)
         try:
             shape = tuple(int(s) for s in shape)
@@ -121,6 +141,14 @@ class SpatialGrid(object):
                 'got %r' % (check,))
         self.check = check
         self.overlap = bool(overlap)
+        for name, value in (('progress_pieces', progress_pieces),
+                            ('progress_min_cells', progress_min_cells)):
+            if not isinstance(value, (int, numpy.integer)) or value < 1:
+                raise ValueError(
+                    'distconv.SpatialGrid: %s must be a positive int, got '
+                    '%r' % (name, value))
+        self.progress_pieces = int(progress_pieces)
+        self.progress_min_cells = int(progress_min_cells)
         self.stats = collections.Counter()
         self._layout_cache = {}
         # Private communicators: distconv's point-to-point messages and

@@ -46,16 +46,21 @@ class DistributedBatchNormalization(function_node.FunctionNode):
         ex = (None, slice(None)) + (None,) * (x.ndim - 2)
         m = self.count
         world = self.grid.mpi_world
+        # Two full-size temporaries in all (the deviations and their
+        # squares, whose buffer then receives the output): the naive
+        # expression allocates one per operator.
         mean = _comm.allreduce_sum(
             world, x.sum(axis=axis, dtype=interm)).astype(interm) / m
         dev = x.astype(interm, copy=False) - mean[ex]
-        var = _comm.allreduce_sum(
-            world, (dev * dev).sum(axis=axis, dtype=interm)) / m
+        buf = xp.multiply(dev, dev)
+        var = _comm.allreduce_sum(world, buf.sum(axis=axis)) / m
         var = var.astype(interm, copy=False)
         inv_std = 1 / xp.sqrt(var + self.eps, dtype=interm)
-        g = gamma.astype(interm, copy=False)[ex]
-        b = beta.astype(interm, copy=False)[ex]
-        y = (g * (dev * inv_std[ex]) + b).astype(x.dtype, copy=False)
+        scale = gamma.astype(interm, copy=False) * inv_std
+        xp.multiply(dev, scale[ex], out=buf)
+        del dev
+        buf += beta.astype(interm, copy=False)[ex]
+        y = buf.astype(x.dtype, copy=False)
         self._mean, self._inv_std = mean, inv_std
         if self.running_mean is not None:
             adjust = m / max(m - 1., 1.)  # unbiased, as Chainer
@@ -81,18 +86,27 @@ class DistributedBatchNormalization(function_node.FunctionNode):
         interm = numpy.promote_types(x.dtype, gamma.dtype)
         axis = (0,) + tuple(range(2, x.ndim))
         ex = (None, slice(None)) + (None,) * (x.ndim - 2)
-        xhat = (x.astype(interm, copy=False) - self._mean[ex]) \
-            * self._inv_std[ex]
+        # Two full-size temporaries (x_hat, and one buffer that becomes
+        # the input gradient), updated in place.
+        xhat = x.astype(interm, copy=False) - self._mean[ex]
+        xhat *= self._inv_std[ex]
         gy_i = gy.astype(interm, copy=False)
         gbeta = gy_i.sum(axis=axis)
-        ggamma = (gy_i * xhat).sum(axis=axis)
+        buf = xp.multiply(gy_i, xhat)
+        ggamma = buf.sum(axis=axis)
         c = gbeta.shape[0]
         tot = _comm.allreduce_sum(self.grid.mpi_world,
                                   xp.concatenate([gbeta, ggamma]))
         tot_gbeta, tot_ggamma = tot[:c], tot[c:]
         m = self.count
-        coef = (gamma.astype(interm, copy=False) * self._inv_std)[ex]
-        gx = coef * (gy_i - (tot_gbeta[ex] + xhat * tot_ggamma[ex]) / m)
+        coef = gamma.astype(interm, copy=False) * self._inv_std
+        # gx = coef * (gy - (tot_gbeta + xhat * tot_ggamma) / m)
+        xp.multiply(xhat, (tot_ggamma / m)[ex], out=buf)
+        del xhat
+        buf += (tot_gbeta / m)[ex]
+        xp.subtract(gy_i, buf, out=buf)
+        buf *= coef[ex]
+        gx = buf
         # Parameter gradients stay local partial sums: summed over all
         # processes they are the single-process gradient (see loss_scale).
         return (chainer.Variable(gx.astype(x.dtype, copy=False)),
@@ -147,6 +161,13 @@ def batch_normalization(grid, x, gamma, beta, eps=2e-5, running_mean=None,
             '%s: the global batch is empty (no samples or no spatial cells '
             'on any process); batch statistics are undefined. Skip empty '
             'batches.' % layer)
+    if grid.size == 1:
+        # One process holds the whole batch: the global statistics are the
+        # local ones, and Chainer's own function is exactly the serial one
+        # (and supports double backpropagation).
+        return chainer.functions.batch_normalization(
+            x, gamma, beta, eps=eps, running_mean=running_mean,
+            running_var=running_var, decay=decay)
     return DistributedBatchNormalization(
         grid, eps, count, running_mean, running_var, decay).apply(
             (x, gamma, beta))[0]

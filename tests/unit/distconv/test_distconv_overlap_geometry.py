@@ -9,6 +9,7 @@ of the exchange plan, so the halo received is all the boundary needs.
 import itertools
 
 import numpy as np
+import pytest
 from hypothesis import given, settings, strategies as st
 
 from chainermn_overlap.distconv import geometry as G
@@ -96,3 +97,38 @@ def test_interior_interval_matches_brute_force():
                 if o * s - p >= n_own_lo and o * s - p + dk <= n_own_hi]
         got = list(range(lo, hi))
         assert got == want
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.integers(1, 3), st.integers(1, 6), st.data())
+def test_split_box_tiles_the_box(ndim, pieces, data):
+    """The interior pieces tile the interior exactly, always ``pieces`` of
+    them (the graph must be the same on every process), empty boxes
+    included when the box is thin or empty."""
+    lo = data.draw(st.lists(st.integers(-3, 5), min_size=ndim,
+                            max_size=ndim))
+    size = data.draw(st.lists(st.integers(0, 9), min_size=ndim,
+                              max_size=ndim))
+    box = tuple((a, a + n) for a, n in zip(lo, size))
+    parts = G.split_box(box, pieces)
+    assert len(parts) == pieces
+    if G.box_is_empty(box):
+        assert all(G.box_is_empty(p) for p in parts)
+        return
+    count = np.zeros(G.box_shape(box), dtype=int)
+    o0 = tuple(iv[0] for iv in box)
+    for p in parts:
+        if G.box_is_empty(p):
+            continue
+        assert G.intersect(p, box) == p
+        count[G.box_slices(p, o0)] += 1
+    assert (count == 1).all()
+    # Balanced along the split (longest) dimension.
+    d = G.box_shape(box).index(max(G.box_shape(box)))
+    split = sorted(G.box_shape(p)[d] for p in parts)
+    assert split[-1] - split[0] <= 1, parts
+
+
+def test_split_box_rejects_no_pieces():
+    with pytest.raises(ValueError, match='pieces must be >= 1'):
+        G.split_box(((0, 4),), 0)
