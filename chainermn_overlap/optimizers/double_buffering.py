@@ -35,6 +35,7 @@ import chainer
 import chainermn
 
 from chainermn_overlap.communication import backends
+from chainermn_overlap.optimizers import _wrapper
 
 
 def _wire_dtype(dtype):
@@ -174,19 +175,12 @@ class _DoubleBufferingState(object):
             self.wait(posted)
 
 
-class _DoubleBufferingOptimizer(object):
+class _DoubleBufferingOptimizer(_wrapper.OptimizerWrapper):
     """Wraps an optimizer; see :func:`create_double_buffering_optimizer`."""
 
-    def __init__(self, state):
-        object.__setattr__(self, '_db', state)
-
     @property
-    def actual_optimizer(self):
-        return self._db.actual
-
-    @property
-    def communicator(self):
-        return self._db.communicator
+    def _db(self):
+        return self._state
 
     def setup(self, link):
         """Sets up the actual optimizer on ``link``; returns self."""
@@ -273,11 +267,6 @@ class _DoubleBufferingOptimizer(object):
             self._db.stats.reset()
         return out
 
-    def __getattr__(self, name):
-        return getattr(self._db.actual, name)
-
-    def __setattr__(self, name, value):
-        setattr(self._db.actual, name, value)
 
 
 def create_double_buffering_optimizer(actual_optimizer, communicator,

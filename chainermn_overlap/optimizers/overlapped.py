@@ -34,6 +34,7 @@ from chainer import optimizer as optimizer_module
 
 from chainermn_overlap import _autosync
 from chainermn_overlap.communication import backends
+from chainermn_overlap.optimizers import _wrapper
 from chainermn_overlap.communication import buckets as buckets_module
 from chainermn_overlap.communication import watchdog as watchdog_module
 from chainermn_overlap.communication import timeline as timeline_module
@@ -953,19 +954,12 @@ def _hyperparams(hp, snapshot):
             setattr(hp, k, v)
 
 
-class _OverlappedOptimizer(object):
+class _OverlappedOptimizer(_wrapper.OptimizerWrapper):
     """Wraps an optimizer; see :func:`create_overlapped_optimizer`."""
 
-    def __init__(self, state):
-        object.__setattr__(self, '_overlap', state)
-
     @property
-    def actual_optimizer(self):
-        return self._overlap.actual
-
-    @property
-    def communicator(self):
-        return self._overlap.communicator
+    def _overlap(self):
+        return self._state
 
     def setup(self, link):
         """Sets up the actual optimizer and hooks ``link``; returns self."""
@@ -1056,11 +1050,6 @@ class _OverlappedOptimizer(object):
             stats.reset()
         return out
 
-    def __getattr__(self, name):
-        return getattr(self._overlap.actual, name)
-
-    def __setattr__(self, name, value):
-        setattr(self._overlap.actual, name, value)
 
 
 def create_overlapped_optimizer(actual_optimizer, communicator,
