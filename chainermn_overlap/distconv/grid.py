@@ -6,6 +6,7 @@ import chainer
 from chainer import backend
 import numpy
 
+from chainermn_overlap import _mpi_json
 from chainermn_overlap.distconv import _comm
 from chainermn_overlap.distconv import geometry
 from mpi4py import MPI
@@ -187,7 +188,7 @@ class SpatialGrid(object):
     def _gather_info(self, x, layer, signature):
         arr = x.array if isinstance(x, chainer.Variable) else x
         info = (tuple(int(s) for s in arr.shape), str(arr.dtype), signature)
-        return self.mpi_world.allgather(info)
+        return _mpi_json.allgather_json(self.mpi_world, info, tuples=True)
 
     def _check_common(self, infos, layer):
         names = axis_names(self.ndim)
@@ -412,7 +413,7 @@ class SpatialGrid(object):
         """
         arr = y.array if isinstance(y, chainer.Variable) else y
         layout = self.check_spatial(arr, 'distconv.SpatialGrid.gather')
-        parts = self.mpi_world.allgather(_comm.to_host(arr))
+        parts = _mpi_json.allgather_arrays(self.mpi_world, _comm.to_host(arr))
         P = self.spatial_size
         n_total = sum(layout.group_samples)
         out = numpy.empty((n_total, layout.channels) + layout.spatial_shape,

@@ -20,7 +20,6 @@ communication itself is behind :mod:`chainermn_overlap.communication`.
 """
 import atexit
 import contextlib
-import json
 import re
 import time
 import warnings
@@ -33,6 +32,7 @@ import chainermn
 from chainer import optimizer as optimizer_module
 
 from chainermn_overlap import _autosync
+from chainermn_overlap import _mpi_json
 from chainermn_overlap.communication import backends
 from chainermn_overlap.optimizers import _wrapper
 from chainermn_overlap.communication import buckets as buckets_module
@@ -67,35 +67,8 @@ def parse_size(value):
 
 
 # ----------------------------------------------------------------------------
-# Small MPI helpers: JSON over byte buffers, so that nothing received from a
-# peer is ever unpickled.
-
-def _allgather_json(mpi_comm, obj):
-    from mpi4py import MPI
-    data = numpy.frombuffer(json.dumps(obj).encode(), dtype=numpy.uint8)
-    # Lengths as raw int64 too: the lower-case mpi4py calls would pickle.
-    counts = numpy.empty(mpi_comm.Get_size(), dtype=numpy.int64)
-    mpi_comm.Allgather([numpy.array([len(data)], dtype=numpy.int64),
-                        MPI.INT64_T], [counts, MPI.INT64_T])
-    counts = counts.tolist()
-    out = numpy.empty(sum(counts), dtype=numpy.uint8)
-    displs = numpy.concatenate([[0], numpy.cumsum(counts)[:-1]]).tolist()
-    mpi_comm.Allgatherv([data, MPI.BYTE], [out, counts, displs, MPI.BYTE])
-    return [json.loads(out[d:d + c].tobytes().decode())
-            for d, c in zip(displs, counts)]
-
-
-def _bcast_json(mpi_comm, obj, root=0):
-    from mpi4py import MPI
-    data = (json.dumps(obj).encode() if mpi_comm.Get_rank() == root else b'')
-    n = numpy.array([len(data)], dtype=numpy.int64)
-    mpi_comm.Bcast([n, MPI.INT64_T], root=root)
-    buf = numpy.empty(int(n[0]), dtype=numpy.uint8)
-    if mpi_comm.Get_rank() == root:
-        buf[:] = numpy.frombuffer(data, dtype=numpy.uint8)
-    mpi_comm.Bcast([buf, MPI.BYTE], root=root)
-    return json.loads(buf.tobytes().decode())
-
+# Parameters move as raw bytes (JSON for metadata, see _mpi_json): nothing
+# received from a peer is ever unpickled.
 
 def _bcast_array(mpi_comm, array, root):
     """Broadcasts an array in place (as bytes; staged on the host for GPU)."""
@@ -822,7 +795,7 @@ class _OverlapState(object):
         named = sorted(self.target.namedparams())
         mine = {n: ([list(p.shape), str(p.dtype)] if p.array is not None
                     else [None, None]) for n, p in named}
-        gathered = _allgather_json(
+        gathered = _mpi_json.allgather_json(
             comm, {'params': mine, 'loaded': bool(self.loaded),
                    'order': self.observed})
         self._check_same_model(named, gathered)
@@ -861,7 +834,7 @@ class _OverlapState(object):
                         entries, self.bucket_size, self.allreduce_grad_dtype)]
         else:
             plan = None
-        plan = _bcast_json(comm, plan)
+        plan = _mpi_json.bcast_json(comm, plan)
         by_name = dict(named)
         self.buckets, self.infos, self.info_by_pid = [], [], {}
         for index, (dtype, entries) in enumerate(plan):
