@@ -38,7 +38,7 @@ def wire_dtype(param_dtype, allreduce_grad_dtype=None):
     return param_dtype
 
 
-def plan_buckets(entries, bucket_size, allreduce_grad_dtype=None):
+def plan_buckets(entries, bucket_size, allreduce_grad_dtype=None, tail=()):
     """Groups parameters into fusion buckets.
 
     Args:
@@ -49,6 +49,10 @@ def plan_buckets(entries, bucket_size, allreduce_grad_dtype=None):
             member larger than ``bucket_size`` gets a bucket of its own.
         allreduce_grad_dtype: dtype on the wire, or ``None`` for the
             parameter's own dtype (float32 for float16 parameters).
+        tail: byte limits of the *last* buckets, last first (e.g. ``(1 MiB,
+            2 MiB)``); then ``bucket_size``.  With the layer-wise wait the
+            last bucket posted holds the first layers, which the next
+            forward needs first: keeping it small shortens that wait.
 
     Returns:
         list of :class:`BucketPlan`, in posting order.
@@ -56,19 +60,43 @@ def plan_buckets(entries, bucket_size, allreduce_grad_dtype=None):
     if bucket_size <= 0:
         raise ValueError('bucket_size must be positive, got {}'
                          .format(bucket_size))
+    entries = [(n, int(size), wire_dtype(dt, allreduce_grad_dtype))
+               for n, size, dt in entries]
+    if tail:
+        # Greedy from the end, so the limits apply to the last buckets.
+        groups, cur, cur_dtype, cur_n = [], [], None, 0
+        for name, size, wdt in reversed(entries):
+            limit = (tail[len(groups)] if len(groups) < len(tail)
+                     else bucket_size)
+            if cur and (wdt != cur_dtype or (cur_n + size) * wdt.itemsize
+                        > min(limit, bucket_size)):
+                groups.append((cur_dtype, cur[::-1]))
+                cur, cur_n = [], 0
+            cur_dtype = wdt
+            cur.append((name, size))
+            cur_n += size
+        if cur:
+            groups.append((cur_dtype, cur[::-1]))
+        groups.reverse()
+    else:
+        groups, cur, cur_dtype, cur_n = [], [], None, 0
+        for name, size, wdt in entries:
+            if cur and (wdt != cur_dtype
+                        or (cur_n + size) * wdt.itemsize > bucket_size):
+                groups.append((cur_dtype, cur))
+                cur, cur_n = [], 0
+            cur_dtype = wdt
+            cur.append((name, size))
+            cur_n += size
+        if cur:
+            groups.append((cur_dtype, cur))
     plans = []
-    cur, cur_dtype, cur_n = [], None, 0
-    for name, size, dtype in entries:
-        wdt = wire_dtype(dtype, allreduce_grad_dtype)
-        nbytes = (cur_n + size) * wdt.itemsize
-        if cur and (wdt != cur_dtype or nbytes > bucket_size):
-            plans.append(BucketPlan(cur_dtype, tuple(cur), cur_n))
-            cur, cur_n = [], 0
-        cur_dtype = wdt
-        cur.append((name, cur_n, int(size)))
-        cur_n += int(size)
-    if cur:
-        plans.append(BucketPlan(cur_dtype, tuple(cur), cur_n))
+    for dtype, members in groups:
+        out, off = [], 0
+        for name, size in members:
+            out.append((name, off, size))
+            off += size
+        plans.append(BucketPlan(dtype, tuple(out), off))
     return plans
 
 

@@ -43,6 +43,9 @@ from chainermn_overlap.hooks import taps
 
 
 DEFAULT_BUCKET_SIZE = 16 * 1024 * 1024
+# With wait='forward', limits of the last buckets (last first): they hold the
+# first layers, whose reduction the next forward waits for first.
+TAIL_BUCKETS = (1 << 20, 2 << 20, 4 << 20, 8 << 20)
 
 _SIZE_UNITS = {'': 1, 'b': 1, 'kb': 10 ** 3, 'mb': 10 ** 6, 'gb': 10 ** 9,
                'kib': 2 ** 10, 'mib': 2 ** 20, 'gib': 2 ** 30}
@@ -831,7 +834,8 @@ class _OverlapState(object):
             entries = [(n, sizes[n], dtypes[n]) for n in order if n in sizes]
             plan = [[str(b.dtype), [list(e) for e in b.entries]]
                     for b in buckets_module.plan_buckets(
-                        entries, self.bucket_size, self.allreduce_grad_dtype)]
+                        entries, self.bucket_size, self.allreduce_grad_dtype,
+                        tail=TAIL_BUCKETS if self.wait == 'forward' else ())]
         else:
             plan = None
         plan = _mpi_json.bcast_json(comm, plan)
@@ -1050,7 +1054,9 @@ def create_overlapped_optimizer(actual_optimizer, communicator,
             optimizer (overlap with backward only, ChainerMN's state after
             every ``update()``).
         bucket_size (int or str): fusion bucket size, in bytes or as a
-            string such as ``'25MB'``.  Default 16 MiB.
+            string such as ``'25MB'``.  Default 16 MiB.  With
+            ``wait='forward'`` the last four buckets (the first layers, which
+            the next forward needs first) are limited to 1, 2, 4 and 8 MiB.
         zero_fill (bool): accepted for compatibility.  Missing gradients
             always count as zeros: it is the only rule that keeps every
             rank's collectives matched, and it equals ChainerMN's result

@@ -73,3 +73,26 @@ def test_parse_size(text, expected):
 def test_parse_size_rejects(bad):
     with pytest.raises(ValueError):
         parse_size(bad)
+
+
+@given(entries_st, st.integers(1, 4000),
+       st.lists(st.integers(1, 4000), max_size=4))
+def test_plan_tail_limits(raw, bucket_size, tail):
+    entries = [('p%d' % i, n, dt) for i, (n, dt) in enumerate(raw)]
+    plans = plan_buckets(entries, bucket_size, tail=tuple(tail))
+    flat = [e for p in plans for e in p.entries]
+    assert [e[0] for e in flat] == [e[0] for e in entries]
+    for k, p in enumerate(reversed(plans)):
+        limit = min(tail[k], bucket_size) if k < len(tail) else bucket_size
+        if len(p.entries) > 1:
+            assert p.nelems * p.dtype.itemsize <= limit
+        off = 0
+        for name, o, n in p.entries:
+            assert o == off
+            off += n
+
+
+def test_plan_tail_makes_last_buckets_small():
+    entries = [('p%d' % i, 1000, 'float32') for i in range(10)]  # 4 kB each
+    plans = plan_buckets(entries, 40000, tail=(4000, 8000))
+    assert [len(p.entries) for p in plans] == [7, 2, 1]
