@@ -27,6 +27,14 @@ one ``mpiexec -n P`` per process count, each rank with one BLAS thread.
   the median of the per-round ratios to the blocking exchange and the
   fraction of exchanges already complete when their wait began.
 
+Exposed halo time over a shaped link (``--netbed RATE``, as root): the
+same three halo settings at 2 processes, each in a network namespace of its
+own behind a tc-shaped veth link (``benchmarks/netbed.py``: MPICH over UCX
+TCP, no shared memory, each rank pinned to a core), recorded under the key
+``halo_netbed`` of the results file (the other keys are kept)::
+
+    .venv/bin/python benchmarks/spatial_bench.py --netbed 400mbit,50mbit
+
 Results go to ``benchmarks/results/spatial.json`` and a plot to
 ``benchmarks/results/spatial.png``. This machine has 2 cores: P = 4
 oversubscribes them (labelled so); use the P = 2 figures for speed-up, the
@@ -157,6 +165,94 @@ def _halo_modes(grid, dist, x_local, mpi, rounds):
             'exchanges_complete_before_wait': (ready / total if total
                                                else None)}
     return out
+
+
+def halo_worker(args):
+    """The halo settings only, at P processes (the shaped-link run)."""
+    import chainermn
+    import numpy as np
+    from chainermn_overlap import distconv
+    comm = chainermn.create_communicator('naive')
+    grid = distconv.SpatialGrid(comm, (comm.size, 1))
+    shape = (args.batchsize, 3, args.insize, args.insize)
+    dist = _model(grid, args.channels, serial=False)
+    box = grid.block(shape[2:])
+    x_local = np.random.RandomState(1).randn(
+        shape[0], 3, *[b - a for a, b in box]).astype(np.float32)
+    _step(dist, x_local)  # warm-up: plans, validation, connections
+    out = {'processes': comm.size, 'grid': [comm.size, 1],
+           'global_image': list(shape[2:]),
+           'block_per_process': [b - a for a, b in box],
+           'halo': _halo_modes(grid, dist, x_local, comm.mpi_comm,
+                               args.rounds)}
+    if comm.rank == 0:
+        print('RESULT ' + json.dumps(out), flush=True)
+
+
+def _netbed_run(args, rate):
+    """Runs :func:`halo_worker` on 2 ranks over a link of ``rate``."""
+    import netbed
+    cmd = [sys.executable, os.path.abspath(__file__), '--worker',
+           '--scaling', 'halo', '--insize', str(args.insize), '--batchsize',
+           str(args.batchsize), '--channels', str(args.channels),
+           '--rounds', str(args.rounds)]
+    with netbed.NetBed(2, rate) as bed:
+        desc = bed.describe()
+        res = bed.run_mpi(cmd, timeout=args.netbed_timeout)
+    lines = [ln for ln in (res['stdout'] or '').splitlines()
+             if ln.startswith('RESULT ')]
+    if res['returncode'] or not lines:
+        sys.stderr.write((res['stdout'] or '')[-3000:]
+                         + (res['stderr'] or '')[-3000:])
+        raise SystemExit('spatial_bench: the shaped-link halo run at %s '
+                         'failed (exit %s)' % (rate, res['returncode']))
+    run = json.loads(lines[-1][len('RESULT '):])
+    run.update(
+        label='2 processes in separate network namespaces, MPICH over UCX '
+              'TCP through a tc-shaped veth link at %s (no shared memory), '
+              'each pinned to a core; shared %d-core machine, noisy'
+              % (rate, os.cpu_count()),
+        rate=rate, rate_bit_per_s=desc['rate_bit_per_s'],
+        seconds=res['seconds'],
+        bed={k: desc[k] for k in ('topology', 'tbf_burst_bytes',
+                                  'tc_commands', 'pinning', 'mpi_env')})
+    return run
+
+
+def run_netbed(args):
+    """The halo settings over the shaped link, one bed per rate."""
+    sys.path.insert(0, HERE)
+    import netbed
+    netbed.require_root()
+    runs = [_netbed_run(args, rate.strip())
+            for rate in args.netbed.split(',')]
+    result = {}
+    if os.path.exists(args.out):
+        with open(args.out) as f:
+            result = json.load(f)
+    result['halo_netbed'] = {
+        'benchmark': 'exposed halo-exchange time per training step at 2 '
+                     'processes over the namespace test bed, conv stack as '
+                     'in runs, grid (2, 1)',
+        'config': {'insize': args.insize, 'batchsize': args.batchsize,
+                   'channels': args.channels, 'rounds': args.rounds},
+        'notes': 'median_exposed_halo_s_per_step: seconds blocked in halo '
+                 'waits per step (forward + backward), mean over the 2 '
+                 'ranks, median over rounds; the three settings alternate '
+                 'round by round. The tbf bucket (tbf_burst_bytes) passes '
+                 'bursts up to its depth at the veth speed: at high rates '
+                 'a halo message fits in it and the link rate barely '
+                 'shows; at low rates the step\'s halo traffic exceeds it.',
+        'runs': runs}
+    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    with open(args.out, 'w') as f:
+        json.dump(result, f, indent=1)
+    for run in runs:
+        sys.stdout.write('%s: %s\n' % (run['rate'], json.dumps(
+            {k: v['median_exposed_halo_s_per_step']
+             for k, v in run['halo'].items()})))
+    sys.stdout.write('wrote key halo_netbed of %s\n' % args.out)
+    return runs
 
 
 def worker(args):
@@ -358,11 +454,20 @@ def main():
                                                  'spatial.json'))
     p.add_argument('--plot-only', action='store_true',
                    help='redraw the PNG from an existing --out JSON')
+    p.add_argument('--netbed', metavar='RATE', default=None,
+                   help='only measure the exposed halo time at 2 processes '
+                   'over the namespace test bed at these link rates (e.g. '
+                   '400mbit,10mbit; needs root); stored under halo_netbed')
+    p.add_argument('--netbed-timeout', type=float, default=600)
     p.add_argument('--worker', action='store_true', help=argparse.SUPPRESS)
     p.add_argument('--scaling', default='strong', help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.worker:
+        if args.scaling == 'halo':
+            return halo_worker(args)
         return worker(args)
+    if args.netbed:
+        return run_netbed(args)
     if args.plot_only:
         with open(args.out) as f:
             plot(json.load(f), os.path.splitext(args.out)[0] + '.png')
@@ -395,6 +500,12 @@ def main():
                  'what numpy allocates (tracemalloc). halo: exposed (not '
                  'hidden) halo-wait seconds per step, mean over ranks.',
         'runs': runs}
+    if os.path.exists(args.out):
+        # The shaped-link figures come from a separate (root) run: keep them.
+        with open(args.out) as f:
+            previous = json.load(f)
+        if 'halo_netbed' in previous:
+            result['halo_netbed'] = previous['halo_netbed']
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, 'w') as f:
         json.dump(result, f, indent=1)

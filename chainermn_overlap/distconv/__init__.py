@@ -95,6 +95,15 @@ Training (what a user must do):
     every process of a group (same dropout seed), as the copies' gradients
     are summed.
 
+Tuning (:func:`tuner.tune`):
+    ``distconv.tune(comm, build_model, input_shape, candidates)`` builds
+    the model for each candidate grid shape (or ``{'grid': ..., 'strategy':
+    ...}`` mapping), times a few forward/backward steps, and returns the
+    fastest with a table of all timings (``tuner.format_table``); the step
+    time is the slowest process's, the choice is made from gathered data
+    and is the same on every process. Candidates whose grid does not
+    divide the process count are recorded as ``'invalid'``.
+
 Not supported:
     Deconvolution, ``return_indices`` of max pooling, BN over other axes,
     double backpropagation through batch normalisation, and spatially
@@ -120,3 +129,5 @@ from chainermn_overlap.distconv.redistribute import sample_share  # NOQA
 from chainermn_overlap.distconv.redistribute import to_sample_layout  # NOQA
 from chainermn_overlap.distconv.redistribute import to_spatial_layout  # NOQA
 from chainermn_overlap.distconv import geometry  # NOQA
+from chainermn_overlap.distconv import tuner  # NOQA
+from chainermn_overlap.distconv.tuner import tune  # NOQA

@@ -22,7 +22,11 @@ parallelism. The processes left over by the grid form sample groups
 Parameters are averaged by ChainerMN's multi-node optimizer (or this
 package's overlapped one with ``--optimizer overlap``), and the loss uses
 ``grid.loss_scale`` so the update equals single-process training on the
-global batch. Data are synthetic; each process creates only its own block
+global batch. With ``--tune`` the grid and the per-stage strategy are not
+given but chosen: every grid that fits the process count, combined with
+each ``--tune-stages`` cut, is timed for a few steps
+(:func:`distconv.tune`) and the fastest is used; rank 0 prints the table.
+Data are synthetic; each process creates only its own block
 (no process allocates a full-size batch). Rank 0 prints progress and
 throughput.
 """
@@ -172,6 +176,36 @@ def parse_grid(text, size):
     return (2, 2) if size % 4 == 0 else (2, 1) if size % 2 == 0 else (1, 1)
 
 
+def tune_strategy(comm, args):
+    """Times the grid x strategy candidates; returns the fastest.
+
+    Returns:
+        tuple: (grid shape, strategy mapping), the same on every process.
+    """
+    stages = [s.strip() for s in args.tune_stages.split(',') if s.strip()]
+    for s in stages:
+        make_strategy(s)  # a clear error for a bad stage name
+    # With one process per sample group every stage is plain Chainer
+    # whatever the strategy: one candidate suffices there.
+    candidates = [{'grid': list(g), 'spatial_until': s}
+                  for g in distconv.tuner.candidate_grids(comm.size, 2)
+                  for s in (stages if g[0] * g[1] > 1 else stages[:1])]
+
+    def build(grid, cand):
+        np.random.seed(0)
+        return ResNet50Spatial(grid, make_strategy(cand['spatial_until']),
+                               args.width)
+
+    result = distconv.tune(
+        comm, build, (args.batchsize, 3, args.insize, args.insize),
+        candidates, iterations=args.tune_iterations,
+        grid_kwargs={'overlap': not args.no_overlap})
+    if comm.rank == 0:
+        print(distconv.tuner.format_table(result), flush=True)
+    best = result['best']
+    return tuple(best['grid']), make_strategy(best['spatial_until'])
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument('--grid', default='', help='processes per (H, W), e.g. '
@@ -189,12 +223,23 @@ def main(argv=None):
                    choices=['multi_node', 'overlap'])
     p.add_argument('--no-overlap', action='store_true',
                    help='blocking halo exchanges (for comparison)')
+    p.add_argument('--tune', action='store_true',
+                   help='time every grid x --tune-stages candidate for a '
+                   'few steps and train with the fastest (ignores --grid '
+                   'and --spatial-until)')
+    p.add_argument('--tune-stages', default='stem,res2,res3',
+                   help='--spatial-until values to try with --tune')
+    p.add_argument('--tune-iterations', type=int, default=2)
     args = p.parse_args(argv)
 
     comm = chainermn.create_communicator('naive')
-    grid = distconv.SpatialGrid(comm, parse_grid(args.grid, comm.size),
+    if args.tune:
+        grid_shape, strategy = tune_strategy(comm, args)
+    else:
+        grid_shape = parse_grid(args.grid, comm.size)
+        strategy = make_strategy(args.spatial_until)
+    grid = distconv.SpatialGrid(comm, grid_shape,
                                 overlap=not args.no_overlap)
-    strategy = make_strategy(args.spatial_until)
     np.random.seed(0)  # the same initial parameters on every process
     model = ResNet50Spatial(grid, strategy, args.width)
     base = chainer.optimizers.MomentumSGD(0.01)

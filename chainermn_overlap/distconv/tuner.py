@@ -1,0 +1,237 @@
+"""Times candidate grids or strategies and picks the fastest.
+
+The CPU analogue of cuDNN's algorithm search: for a given model and input
+shape, each candidate (a grid shape, or a grid with a per-stage strategy)
+is built and run for a few forward/backward steps; the fastest is chosen.
+
+Usage::
+
+    from chainermn_overlap.distconv import tuner
+
+    def build(grid, candidate):
+        return MyNet(grid)            # model(x) -> loss (or any Variable)
+
+    result = tuner.tune(comm, build, (8, 3, 512, 512),
+                        candidates=tuner.candidate_grids(comm.size, 2))
+    result['best']                    # e.g. (2, 1), the same on every rank
+    print(tuner.format_table(result)) # the timings of every candidate
+
+Every rank takes the same decision: each rank's step times are gathered
+(JSON through byte buffers, nothing is unpickled), the time of a step is
+the slowest rank's (the step is synchronous), a candidate's time is the
+median over its timed steps, and the minimum is taken over the gathered
+table, ties broken by candidate order.
+"""
+import json
+import time
+
+import chainer
+import chainer.functions as F
+import numpy
+
+from chainermn_overlap import _mpi_json
+from chainermn_overlap.distconv import geometry
+from chainermn_overlap.distconv.grid import SpatialGrid
+
+
+def candidate_grids(size, ndim):
+    """Every grid shape of ``ndim`` dimensions whose size divides ``size``.
+
+    Args:
+        size (int): Number of processes.
+        ndim (int): Number of spatial dimensions.
+
+    Returns:
+        list of tuple: Shapes, in lexicographic order (``(1, ..., 1)``,
+        pure sample parallelism, first).
+    """
+    shapes = [()]
+    for _ in range(ndim):
+        shapes = [s + (d,) for s in shapes for d in range(1, size + 1)
+                  if size % (geometry.grid_size(s + (d,))) == 0]
+    return sorted(shapes)
+
+
+def _grid_shape(candidate):
+    if isinstance(candidate, dict):
+        return tuple(candidate['grid'])
+    return tuple(candidate)
+
+
+def _label(candidate):
+    return json.dumps(candidate, sort_keys=True)
+
+
+def _invalid_reason(shape, size, ndim):
+    """Why a grid shape cannot run here, or None."""
+    if len(shape) != ndim:
+        return ('grid has %d dimensions, the input %d spatial ones'
+                % (len(shape), ndim))
+    if any(int(s) < 1 for s in shape):
+        return 'grid has a non-positive process count'
+    if size % geometry.grid_size(shape):
+        return ('grid size %d does not divide %d processes'
+                % (geometry.grid_size(shape), size))
+    return None
+
+
+def _default_loss(model, x):
+    out = model(x)
+    # Models that also return e.g. their final layout (a tuple).
+    if isinstance(out, (tuple, list)):
+        out = out[0]
+    return out if out.size == 1 else F.sum(out)
+
+
+def tune(comm, build_model, input_shape, candidates=None, iterations=3,
+         warmup=1, loss_fn=None, grid_kwargs=None, dtype=numpy.float32,
+         timer=time.perf_counter):
+    """Times each candidate for a few steps and returns the fastest.
+
+    Collective: every process of ``comm`` must call it with the same
+    candidates (checked) and input shape.
+
+    Args:
+        comm: ChainerMN communicator (or an mpi4py communicator).
+        build_model (callable): ``build_model(grid, candidate)`` returns
+            the model for a :class:`SpatialGrid` of the candidate's shape;
+            called on every process. ``model(x)`` takes this process's
+            block of the input (spatial layout).
+        input_shape (tuple of int): Global input shape
+            ``(N, C, *spatial)``.
+        candidates (list): Grid shapes (tuples), or dicts with a ``'grid'``
+            key and anything else ``build_model`` reads (e.g. a per-stage
+            ``'strategy'``); JSON-serialisable. Default: every grid shape
+            that fits (:func:`candidate_grids`).
+        iterations (int): Timed forward/backward steps per candidate.
+        warmup (int): Untimed steps first (plans, validation caches,
+            allocations).
+        loss_fn (callable): ``loss_fn(model, x)`` returns the variable to
+            backpropagate from; default: the model's output (its first
+            element if a tuple), summed.
+        grid_kwargs (dict): Extra arguments of :class:`SpatialGrid` (e.g.
+            ``overlap``, ``progress_pieces``).
+        dtype: Input dtype.
+        timer (callable): Clock in seconds (replaceable for tests).
+
+    Returns:
+        dict: ``best`` (the chosen candidate, as given), ``best_index``,
+        ``best_median_s`` and ``table``, one row per candidate in order
+        with ``candidate``, ``grid``, ``status`` (``'ok'``, ``'invalid'``
+        or ``'error'``), ``reason``, ``median_s`` (median over steps of the
+        slowest rank's step time), ``step_s`` (those step times) and
+        ``per_rank_median_s``. Identical on every process.
+
+    Raises:
+        ValueError: On every process, if the processes' candidate lists or
+            input shapes differ, or no candidate ran.
+    """
+    if iterations < 1:
+        raise ValueError('tune: iterations must be >= 1, got %r'
+                         % (iterations,))
+    mpi_comm = getattr(comm, 'mpi_comm', comm)
+    size = mpi_comm.Get_size()
+    input_shape = tuple(int(s) for s in input_shape)
+    ndim = len(input_shape) - 2
+    if ndim < 1:
+        raise ValueError('tune: input_shape must be (N, C, *spatial), got %r'
+                         % (input_shape,))
+    if candidates is None:
+        candidates = candidate_grids(size, ndim)
+    candidates = list(candidates)
+    # A mismatch would make the processes build different grids and
+    # deadlock in their collectives: fail on every process instead.
+    plans = _mpi_json.allgather_json(
+        mpi_comm, [list(input_shape), [_label(c) for c in candidates]])
+    if any(p != plans[0] for p in plans):
+        raise ValueError('tune: the processes were given different input '
+                         'shapes or candidates: %r' % (plans,))
+    loss_fn = loss_fn or _default_loss
+    table = []
+    for index, cand in enumerate(candidates):
+        shape = _grid_shape(cand)
+        row = {'candidate': cand, 'grid': list(shape), 'status': 'ok',
+               'reason': None, 'median_s': None, 'step_s': [],
+               'per_rank_median_s': []}
+        table.append(row)
+        reason = _invalid_reason(shape, size, ndim)
+        if reason is not None:
+            row.update(status='invalid', reason=reason)
+            continue
+        times, error = _time_candidate(
+            comm, mpi_comm, build_model, cand, shape, input_shape,
+            iterations, warmup, loss_fn, grid_kwargs or {}, dtype, timer)
+        gathered = _mpi_json.allgather_json(mpi_comm, [times, error])
+        errors = ['rank %d: %s' % (r, e)
+                  for r, (_, e) in enumerate(gathered) if e]
+        if errors:
+            row.update(status='error', reason='; '.join(errors))
+            continue
+        per_rank = [t for t, _ in gathered]
+        # A step ends when its slowest process ends.
+        steps = [max(ts) for ts in zip(*per_rank)]
+        row.update(step_s=steps, median_s=float(numpy.median(steps)),
+                   per_rank_median_s=[float(numpy.median(t))
+                                      for t in per_rank])
+    timed = [(r['median_s'], i) for i, r in enumerate(table)
+             if r['status'] == 'ok']
+    if not timed:
+        raise ValueError('tune: no candidate ran: %s' % '; '.join(
+            '%s: %s' % (_label(r['candidate']), r['reason'])
+            for r in table))
+    best_time, best_index = min(timed)
+    return {'best': candidates[best_index], 'best_index': best_index,
+            'best_median_s': best_time, 'iterations': iterations,
+            'input_shape': list(input_shape), 'processes': size,
+            'table': table}
+
+
+def _time_candidate(comm, mpi_comm, build_model, cand, shape, input_shape,
+                    iterations, warmup, loss_fn, grid_kwargs, dtype, timer):
+    """This process's step times for one candidate, or its error text."""
+    try:
+        grid = SpatialGrid(comm, shape, **grid_kwargs)
+        model = build_model(grid, cand)
+        lo, hi = grid.sample_range(input_shape[0])
+        block = [b - a for a, b in grid.block(input_shape[2:])]
+        x = numpy.random.RandomState(grid.rank).standard_normal(
+            (hi - lo, input_shape[1]) + tuple(block)).astype(dtype)
+        times = []
+        for i in range(warmup + iterations):
+            # Start together, so that a step's time is its own, not the
+            # wait for a process still finishing the previous candidate.
+            mpi_comm.Barrier()
+            t0 = timer()
+            loss = loss_fn(model, x)
+            if hasattr(model, 'cleargrads'):
+                model.cleargrads()
+            loss.backward()
+            t = timer() - t0
+            if i >= warmup:
+                times.append(t)
+            del loss
+        return times, None
+    # Reported, not raised: the error is gathered so that every process
+    # records the candidate as failed and all move on to the next one
+    # together. (distconv's own checks raise on every process alike.)
+    except (ValueError, TypeError, IndexError, chainer.utils.type_check.
+            InvalidType, MemoryError) as e:
+        return [], '%s: %s' % (type(e).__name__, str(e)[:300])
+
+
+def format_table(result):
+    """The tuner's choice and timings as text (for rank 0 to print)."""
+    lines = ['%-4s %-44s %-8s %12s  %s' % ('', 'candidate', 'status',
+                                          'median s', 'note')]
+    for i, row in enumerate(result['table']):
+        mark = '*' if i == result['best_index'] else ''
+        med = '%12.4f' % row['median_s'] if row['median_s'] is not None \
+            else '%12s' % '-'
+        lines.append('%-4s %-44s %-8s %s  %s' % (
+            mark, _label(row['candidate'])[:44], row['status'], med,
+            row['reason'] or ''))
+    lines.append('chosen: %s (%.4f s per step, median of %d, slowest '
+                 'process)' % (_label(result['best']),
+                               result['best_median_s'],
+                               result['iterations']))
+    return '\n'.join(lines)
