@@ -14,7 +14,7 @@ Usage::
     result = tuner.tune(comm, build, (8, 3, 512, 512),
                         candidates=tuner.candidate_grids(comm.size, 2))
     result['best']                    # e.g. (2, 1), the same on every rank
-    print(tuner.format_table(result)) # the timings of every candidate
+    report = tuner.format_table(result)  # the timings of every candidate
 
 Every rank takes the same decision: each rank's step times are gathered
 (JSON through byte buffers, nothing is unpickled), the time of a step is
