@@ -28,6 +28,8 @@ import warnings
 import numpy as np
 
 import chainer
+import chainer.functions as F
+import chainer.links as L
 import chainermn
 
 ENV_VAR = 'CHAINERMN_OVERLAP_TEST_OPTIMIZER'
@@ -371,3 +373,17 @@ def assert_same_value(value, what, comm=None):
     values = comm.mpi_comm.allgather(value)
     assert_all_ranks(all(v == values[0] for v in values),
                      '%s differs across ranks: %r' % (what, values), comm)
+
+
+# A small model shared by several test modules.
+class MLP(chainer.Chain):
+
+    def __init__(self, n_in=5, n_hidden=8, n_out=3):
+        super().__init__()
+        with self.init_scope():
+            self.l1 = L.Linear(n_in, n_hidden)
+            self.l2 = L.Linear(n_hidden, n_hidden)
+            self.l3 = L.Linear(n_hidden, n_out)
+
+    def forward(self, x):
+        return self.l3(F.relu(self.l2(F.relu(self.l1(x)))))

@@ -39,6 +39,7 @@ from chainer.training import extensions
 import chainermn
 
 from chainermn_overlap.testing import equivalence as eq
+from chainermn_overlap.testing.equivalence import MLP
 
 SGD_TOL = dict(rtol=1e-5, atol=1e-6)
 ADAM_TOL = dict(rtol=1e-4, atol=1e-5)
@@ -136,19 +137,6 @@ class CNN(chainer.Chain):
         h = F.relu(self.bn1(self.c1(x)))
         h = F.relu(self.bn2(self.c2(h)))
         return self.fc(F.average_pooling_2d(h, 2))
-
-
-class MLP(chainer.Chain):
-
-    def __init__(self, n_in=5, n_hidden=8, n_out=3):
-        super().__init__()
-        with self.init_scope():
-            self.l1 = L.Linear(n_in, n_hidden)
-            self.l2 = L.Linear(n_hidden, n_hidden)
-            self.l3 = L.Linear(n_hidden, n_out)
-
-    def forward(self, x):
-        return self.l3(F.relu(self.l2(F.relu(self.l1(x)))))
 
 
 class MLPBN(chainer.Chain):

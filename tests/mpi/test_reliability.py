@@ -18,6 +18,7 @@ from chainer import serializers
 import chainermn_overlap
 from chainermn_overlap.communication import backends
 from chainermn_overlap.testing import equivalence as eq
+from chainermn_overlap.testing.equivalence import MLP
 
 SGD_TOL = dict(rtol=1e-5, atol=1e-6)
 
@@ -25,19 +26,6 @@ SGD_TOL = dict(rtol=1e-5, atol=1e-6)
 @pytest.fixture(scope='module')
 def comm():
     return eq.get_communicator()
-
-
-class MLP(chainer.Chain):
-
-    def __init__(self, n_in=5, n_hidden=8, n_out=3):
-        super().__init__()
-        with self.init_scope():
-            self.l1 = L.Linear(n_in, n_hidden)
-            self.l2 = L.Linear(n_hidden, n_hidden)
-            self.l3 = L.Linear(n_hidden, n_out)
-
-    def forward(self, x):
-        return self.l3(F.relu(self.l2(F.relu(self.l1(x)))))
 
 
 def build(seed=0, **kwargs):
