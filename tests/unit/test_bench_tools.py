@@ -45,9 +45,9 @@ def test_next_rate_stays_in_the_bracket_and_survives_noise():
     r = ob.next_rate(100e6, 1.2, 1.0, 0.9, None, 100e6)
     assert 100e6 / 8 <= r < 100e6
     # A sensible measurement: the model's proposal (t_comm 1 s at 100 Mbit/s
-    # -> 0.515 s needs 194 Mbit/s), inside the bracket.
+    # -> 0.499 s for the anchor's 0.6672 needs 200 Mbit/s), inside the bracket.
     r = ob.next_rate(100e6, 0.5, 1.0, 2.0, 100e6, None)
-    assert r == pytest.approx(100e6 / (1 / 0.66 - 1), rel=1e-6)
+    assert r == pytest.approx(100e6 / (1 / ob.TARGET_CENTER - 1), rel=1e-6)
     # A proposal outside a closed bracket falls back to its geometric mean.
     r = ob.next_rate(100e6, 0.5, 1.0, 2.0, 100e6, 150e6)
     assert r == pytest.approx((100e6 * 150e6) ** 0.5)
