@@ -86,10 +86,16 @@ class Handle(object):
         seq (int): position in this backend's posting order, from 1; the
             same collective has the same ``seq`` on every rank.
         nbytes (int): size of the reduced buffer.
+        spans (list): ``(start, end)`` perf_counter stamps of the pieces in
+            which the engine actually reduced this buffer (one for a FIFO
+            engine; one per chunk for an engine that interleaves chunks of
+            several buffers, so ``finished_at - started_at`` can include
+            other buffers' chunks).
     """
 
     __slots__ = ('label', '_event', 'error', '_finish', 'nbytes',
-                 'posted_at', 'started_at', 'finished_at', 'seq', '_watchdog')
+                 'posted_at', 'started_at', 'finished_at', 'seq', '_watchdog',
+                 'spans')
 
     def __init__(self, label, finish=None, nbytes=0, seq=0, watchdog=None):
         self.label = label
@@ -104,6 +110,15 @@ class Handle(object):
         self.posted_at = time.perf_counter()
         self.started_at = None
         self.finished_at = None
+        self.spans = []
+
+    def busy_seconds(self):
+        """Time the engine spent reducing this buffer (sum of its spans)."""
+        if self.spans:
+            return sum(b - a for a, b in self.spans)
+        if self.started_at is not None and self.finished_at is not None:
+            return self.finished_at - self.started_at
+        return 0.0
 
     def done(self):
         return self._event.is_set()

@@ -195,6 +195,7 @@ class PriorityMpiBackend(backends.CommunicationBackend):
                 .format(self.rank, self._failed))
             item.offset = item.nelems
             return
+        t0 = time.perf_counter()
         try:
             self.comm.Allreduce(MPI.IN_PLACE, item.host[a:b],
                                 op=backends._mpi_op(item.op))
@@ -202,6 +203,7 @@ class PriorityMpiBackend(backends.CommunicationBackend):
             self._failed = e
             h.error = RuntimeError('rank {}: {}'.format(self.rank, e))
             b = item.nelems
+        h.spans.append((t0, time.perf_counter()))
         item.offset = b
 
     def close(self):

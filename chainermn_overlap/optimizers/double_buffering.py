@@ -163,8 +163,7 @@ class _DoubleBufferingState(object):
                 raise RuntimeError(
                     'rank {}: the double-buffered gradient reduction failed: '
                     '{}'.format(self.rank, e)) from e
-            if h.started_at is not None and h.finished_at is not None:
-                self.stats.comm_seconds += h.finished_at - h.started_at
+            self.stats.comm_seconds += h.busy_seconds()
         self.stats.wait_seconds += time.perf_counter() - t0
         return k
 

@@ -115,8 +115,7 @@ class CommunicationStats(object):
     def record(self, handle, waited):
         self.buckets += 1
         self.bytes += handle.nbytes
-        if handle.started_at is not None and handle.finished_at is not None:
-            self.comm_seconds += handle.finished_at - handle.started_at
+        self.comm_seconds += handle.busy_seconds()
         self.wait_seconds += waited
 
     def as_dict(self):
@@ -649,10 +648,19 @@ class _OverlapState(object):
             tl = self.timeline
             if tl is not None:
                 tl.span('wait bucket {}'.format(bucket.index), 'wait', t0, t1)
-                tl.span('allreduce bucket {}'.format(bucket.index), 'comm',
-                        handle.started_at, handle.finished_at,
-                        tid=tl.COMM, args={'label': handle.label,
-                                           'bytes': handle.nbytes})
+                # One span per piece the engine reduced (chunks of buckets
+                # interleave under the priority engine).
+                spans = handle.spans or [(handle.started_at,
+                                          handle.finished_at)]
+                for i, (a, b) in enumerate(spans):
+                    if a is None or b is None:
+                        continue
+                    tl.span('allreduce bucket {}{}'.format(
+                        bucket.index, '' if len(spans) == 1 else
+                        ' chunk {}/{}'.format(i + 1, len(spans))), 'comm',
+                        a, b, tid=tl.COMM,
+                        args={'label': handle.label,
+                              'bytes': handle.nbytes})
             if self.size > 1:
                 bucket.buffer *= bucket.buffer.dtype.type(1.0 / self.size)
             bucket.finalized = True
