@@ -30,8 +30,11 @@ one ``mpiexec -n P`` per process count, each rank with one BLAS thread.
 Exposed halo time over a shaped link (``--netbed RATE``, as root): the
 same three halo settings at 2 processes, each in a network namespace of its
 own behind a tc-shaped veth link (``benchmarks/netbed.py``: MPICH over UCX
-TCP, no shared memory, each rank pinned to a core), recorded under the key
-``halo_netbed`` of the results file (the other keys are kept)::
+TCP, no shared memory, each rank pinned to a core), with each setting's
+link counters per step (bytes sent and the seconds of link time they
+need, TCP retransmissions, tail-loss probes and timeouts, qdisc drops),
+recorded under the key ``halo_netbed`` of the results file (the other keys
+are kept; the plot is redrawn)::
 
     .venv/bin/python benchmarks/spatial_bench.py --netbed 400mbit,50mbit
 
@@ -123,8 +126,45 @@ def _quiet_barrier(mpi):
         time.sleep(0.002)
 
 
-def _halo_modes(grid, dist, x_local, mpi, rounds):
-    """Exposed halo time per step with the three exchange settings."""
+LINK_COUNTERS = ('tx_bytes', 'retrans_segs', 'tail_loss_probes',
+                 'rto_timeouts', 'qdisc_dropped')
+
+
+def _link_counters():
+    """This network namespace's counters of eth0 (shaped-link runs only).
+
+    Bytes sent, TCP retransmitted segments, of which tail-loss probes
+    (sent after a quiet period, not losses), retransmission timeouts and
+    packets dropped by the tc qdisc; read from /sys and /proc, which
+    ``ip netns exec`` shows per namespace.
+    """
+    out = {}
+    for path in ('/proc/net/snmp', '/proc/net/netstat'):
+        with open(path) as f:
+            lines = f.read().splitlines()
+        for head, vals in zip(lines[::2], lines[1::2]):
+            keys, vals = head.split(), vals.split()
+            out.update((keys[0] + k, int(v))
+                       for k, v in zip(keys[1:], vals[1:]))
+    with open('/sys/class/net/eth0/statistics/tx_bytes') as f:
+        tx = int(f.read())
+    tc = subprocess.run(['tc', '-s', 'qdisc', 'show', 'dev', 'eth0'],
+                        capture_output=True, text=True).stdout
+    dropped = sum(int(w.rstrip(',')) for a, w in zip(tc.split(),
+                                                     tc.split()[1:])
+                  if a == 'dropped')
+    return {'tx_bytes': tx, 'retrans_segs': out.get('Tcp:RetransSegs', 0),
+            'tail_loss_probes': out.get('TcpExt:TCPLossProbes', 0),
+            'rto_timeouts': out.get('TcpExt:TCPTimeouts', 0),
+            'qdisc_dropped': dropped}
+
+
+def _halo_modes(grid, dist, x_local, mpi, rounds, link=None):
+    """Exposed halo time per step with the three exchange settings.
+
+    ``link``: a callable returning counters (:func:`_link_counters`), read
+    around each step; their sums over steps and ranks are reported.
+    """
     import numpy as np
     from mpi4py import MPI
     modes = (('blocking', False, 1), ('overlap_no_progress', True, 1),
@@ -133,14 +173,19 @@ def _halo_modes(grid, dist, x_local, mpi, rounds):
     waits = {m[0]: [] for m in modes}
     steps = {m[0]: [] for m in modes}
     halos = {m[0]: [0, 0] for m in modes}
+    counts = {m[0]: [] for m in modes}
     for _ in range(rounds):
         for name, overlap, pieces in modes:
             grid.overlap, grid.progress_pieces = overlap, pieces
             grid.stats.clear()
+            c0 = link() if link else None
             _quiet_barrier(mpi)
             t0 = time.perf_counter()
             _step(dist, x_local)
             t = time.perf_counter() - t0
+            if link:
+                c1 = link()
+                counts[name].append({k: c1[k] - c0[k] for k in c0})
             st = grid.stats
             # Mean over ranks: a wait hides on one rank what its peer lags.
             waits[name].append(mpi.allreduce(
@@ -164,6 +209,14 @@ def _halo_modes(grid, dist, x_local, mpi, rounds):
             'median_step_s': float(np.median(steps[name])),
             'exchanges_complete_before_wait': (ready / total if total
                                                else None)}
+        if link:
+            tot = {k: mpi.allreduce(sum(c[k] for c in counts[name]))
+                   for k in LINK_COUNTERS}
+            tx = mpi.allgather(float(np.median(
+                [c['tx_bytes'] for c in counts[name]])))
+            out[name]['link'] = dict(
+                {k: tot[k] for k in LINK_COUNTERS if k != 'tx_bytes'},
+                median_tx_bytes_per_step_per_rank=tx)
     return out
 
 
@@ -184,7 +237,7 @@ def halo_worker(args):
            'global_image': list(shape[2:]),
            'block_per_process': [b - a for a, b in box],
            'halo': _halo_modes(grid, dist, x_local, comm.mpi_comm,
-                               args.rounds)}
+                               args.rounds, link=_link_counters)}
     if comm.rank == 0:
         print('RESULT ' + json.dumps(out), flush=True)
 
@@ -207,6 +260,12 @@ def _netbed_run(args, rate):
         raise SystemExit('spatial_bench: the shaped-link halo run at %s '
                          'failed (exit %s)' % (rate, res['returncode']))
     run = json.loads(lines[-1][len('RESULT '):])
+    for mode in run['halo'].values():
+        # Seconds the shaped link needs for one step's traffic (both ranks
+        # send alike): above the step's compute time, waits cannot hide.
+        mode['link']['link_s_per_step'] = max(
+            mode['link']['median_tx_bytes_per_step_per_rank']) * 8 / \
+            desc['rate_bit_per_s']
     run.update(
         label='2 processes in separate network namespaces, MPICH over UCX '
               'TCP through a tc-shaped veth link at %s (no shared memory), '
@@ -247,6 +306,8 @@ def run_netbed(args):
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, 'w') as f:
         json.dump(result, f, indent=1)
+    if 'runs' in result:  # the scaling runs are there: redraw with both
+        plot(result, os.path.splitext(args.out)[0] + '.png')
     for run in runs:
         sys.stdout.write('%s: %s\n' % (run['rate'], json.dumps(
             {k: v['median_exposed_halo_s_per_step']
@@ -385,14 +446,16 @@ def _run(args, n, scaling):
 
 
 def plot(result, path):
-    """Writes a PNG: strong-scaling speed-up and memory, weak efficiency."""
+    """Writes a PNG: strong-scaling speed-up and memory, weak efficiency,
+    and the exposed halo time per setting (shared memory and, if measured,
+    the shaped link of ``halo_netbed``)."""
     import matplotlib
     matplotlib.use('Agg')
     import matplotlib.pyplot as plt
     cores = result['machine']['cpu_count']
     strong = [r for r in result['runs'] if r['scaling'] == 'strong']
     weak = [r for r in result['runs'] if r['scaling'] == 'weak']
-    fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
+    fig, axes = plt.subplots(1, 4, figsize=(17, 3.8))
 
     def series(ax, runs, key, label, marker):
         ps = [r['processes'] for r in runs]
@@ -429,8 +492,10 @@ def plot(result, path):
         ax.set(title='Weak scaling, %dx%d per process'
                % tuple(weak[0]['serial_image']), xlabel='processes',
                ylabel='efficiency T(1) / T(P)', ylim=(0, 1.2))
-    for ax in axes:
+    for ax in axes[:3]:
         ax.set_xticks(ps)
+    _plot_halo(axes[3], result)
+    for ax in axes:
         ax.legend(fontsize=8)
         ax.grid(alpha=0.3)
     fig.suptitle('distconv on a shared %d-core machine (hollow: '
@@ -439,6 +504,34 @@ def plot(result, path):
     fig.tight_layout()
     fig.savefig(path, dpi=90)
     plt.close(fig)
+
+
+HALO_MODES = (('blocking', 'blocking exchange'),
+              ('overlap_no_progress', 'overlap, no progress calls'),
+              ('overlap_progress', 'overlap + progress calls'))
+
+
+def _plot_halo(ax, result):
+    """Bars of the exposed halo time per step at P = 2, one group per link:
+    shared memory (strong scaling run) and each shaped-link rate."""
+    import numpy as np
+    groups = [('shared memory', r['halo']) for r in result['runs']
+              if r['scaling'] == 'strong' and r['processes'] == 2
+              and 'halo' in r]
+    groups += [('link %s' % r['rate'], r['halo'])
+               for r in result.get('halo_netbed', {}).get('runs', [])]
+    width = 0.8 / len(HALO_MODES)
+    for i, (key, label) in enumerate(HALO_MODES):
+        ms = [1e3 * h[key]['median_exposed_halo_s_per_step']
+              for _, h in groups]
+        ax.bar(np.arange(len(groups)) + (i - 1) * width, ms, width,
+               label=label)
+    ax.set_xticks(range(len(groups)))
+    ax.set_xticklabels([g for g, _ in groups], fontsize=8)
+    # Log scale: the settings differ by orders of magnitude.
+    ax.set_yscale('log')
+    ax.set(title='Exposed halo wait, P = 2',
+           ylabel='ms per step (forward + backward)')
 
 
 def main():

@@ -52,6 +52,8 @@ class PendingExchange(object):
         self.host_send = host_send
         self.template = template
         self.has_messages = bool(requests)
+        # The receives come first in ``requests`` (see post_exchange).
+        self.n_recv = len(host_recv)
 
     def test(self):
         """Lets MPI move these messages; True once all have completed.
@@ -75,6 +77,37 @@ class PendingExchange(object):
         """True if a previous :meth:`test` saw every message complete."""
         return not self.requests
 
+    def arrivals(self):
+        """Yields each received array as soon as its message has arrived.
+
+        Lets the caller unpack one piece while the others are still in
+        flight instead of waiting for all (``MPI_Waitany`` over the
+        receives); the sends are completed after the last receive.
+
+        Yields:
+            tuple: ``(index, array)``: the position of the receive in the
+            posted ``recvs`` and the received array, on the device of the
+            template, in order of arrival.
+        """
+        if self.requests:
+            recv = self.requests[:self.n_recv]
+            done = set()
+            while len(done) < self.n_recv:
+                i = MPI.Request.Waitany(recv)
+                if i == MPI.UNDEFINED:
+                    # Completed in an earlier test(): they are null now.
+                    break
+                done.add(i)
+                yield i, like(self.host_recv[i], self.template)
+            rest = [i for i in range(self.n_recv) if i not in done]
+            MPI.Request.Waitall(self.requests[self.n_recv:])
+        else:
+            rest = range(self.n_recv)
+        self.requests = []
+        self.host_send = []
+        for i in rest:
+            yield i, like(self.host_recv[i], self.template)
+
     def wait(self):
         """Waits for every message; returns the received arrays.
 
@@ -92,9 +125,14 @@ class PendingExchange(object):
 def post_exchange(mpi_comm, sends, recvs, template):
     """Posts non-blocking point-to-point sends and receives.
 
+    Every receive is posted before the first send. ``sends`` may be a
+    generator that packs each message when it is reached, so that the
+    first messages are on their way while the later ones are packed.
+
     Args:
         mpi_comm: The mpi4py communicator (the grid's private one).
-        sends (list): ``(peer, array)`` pairs; arrays are packed contiguous.
+        sends (iterable): ``(peer, array)`` pairs; arrays are packed
+            contiguous.
         recvs (list): ``(peer, shape)`` pairs to receive, dtype of template.
         template: An array giving the dtype and device of received buffers.
 

@@ -11,12 +11,16 @@ run in sample layout as in plain data parallelism.
 
 Both directions are one all-to-all of contiguous blocks by non-blocking
 point-to-point messages inside the sample group; each is the other's
-inverse and adjoint (it is a permutation of cells). Memory per process stays
-proportional to its share of the group's data.
+inverse and adjoint (it is a permutation of cells). All receives are posted
+first, then the sends; the local piece is copied while the others are in
+flight, and each received piece is unpacked as soon as it arrives. Pieces
+without cells are not sent. Memory per process stays proportional to its
+share of the group's data.
 """
 import chainer
 from chainer import backend
 from chainer import function_node
+import numpy
 
 from chainermn_overlap.distconv import _comm
 from chainermn_overlap.distconv import geometry
@@ -46,43 +50,75 @@ class LayoutShuffle(function_node.FunctionNode):
     def _samples(self, s):
         return slice(self.offsets[s], self.offsets[s + 1])
 
+    def _plan(self, c):
+        """Messages of one shuffle: ``(sends, recvs, place, local)``.
+
+        ``sends``: ``(peer, selection of the input)``; ``recvs``:
+        ``(peer, shape)``; ``place[i]``: where receive ``i`` lands in the
+        output; ``local``: ``(selection of the input, selection of the
+        output)`` of the piece that stays on this process. Both ends of a
+        message derive its shape from the same counts and boxes, so pieces
+        with no cell (a rank with no sample, an empty block) are skipped on
+        both ends alike.
+        """
+        me = self.grid.spatial_rank
+        P = self.grid.spatial_size
+        every = (slice(None), slice(None))
+        sp = lambda box: tuple(slice(a, b) for a, b in box)  # NOQA
+        my_box = self._box(me)
+        my_cells = int(numpy.prod(geometry.box_shape(my_box)))
+        # Peers in a shifted order (me+1, me+2, ...; receives from me-1,
+        # me-2, ...), so that the first messages of all ranks do not all
+        # go to the same rank.
+        to = [(me + k) % P for k in range(1, P)]
+        frm = [(me - k) % P for k in range(1, P)]
+        if self.to_samples:
+            # I hold all group samples of my block; rank s gets its samples.
+            sends = [(s, self._samples(s)) for s in to
+                     if self.counts[s] * c * my_cells]
+            recvs = [(s, (self.counts[me], c)
+                      + geometry.box_shape(self._box(s))) for s in frm]
+            place = [every + sp(self._box(s)) for s, _ in recvs]
+            local = (self._samples(me), every + sp(my_box))
+        else:
+            # I hold whole samples; rank s gets their part in its block.
+            n_mine = self.counts[me]
+            sends = [(s, every + sp(self._box(s))) for s in to
+                     if n_mine * c * int(numpy.prod(
+                         geometry.box_shape(self._box(s))))]
+            recvs = [(s, (self.counts[s], c) + geometry.box_shape(my_box))
+                     for s in frm]
+            place = [self._samples(s) for s, _ in recvs]
+            local = (every + sp(my_box), self._samples(me))
+        keep = [i for i, (_, shape) in enumerate(recvs)
+                if int(numpy.prod(shape))]
+        return (sends, [recvs[i] for i in keep], [place[i] for i in keep],
+                local)
+
     def forward(self, inputs):
         x, = inputs
         xp = backend.get_array_module(x)
-        me = self.grid.spatial_rank
-        P = self.grid.spatial_size
         c = x.shape[1]
-        my_box = self._box(me)
-        sp = lambda box: tuple(slice(a, b) for a, b in box)  # NOQA
+        me = self.grid.spatial_rank
         if self.to_samples:
-            # I hold all group samples of my block; rank s gets its samples.
-            out = xp.empty((self.counts[me], c) + self.spatial_shape,
-                           dtype=x.dtype)
-            sends = [(s, xp.ascontiguousarray(x[self._samples(s)]))
-                     for s in range(P) if s != me]
-            recvs = [(s, (self.counts[me], c)
-                      + geometry.box_shape(self._box(s)))
-                     for s in range(P) if s != me]
-            out[(slice(None), slice(None)) + sp(my_box)] = \
-                x[self._samples(me)]
-            got = _comm.exchange(self.grid.mpi_spatial, sends, recvs, x)
-            for (s, _), buf in zip(recvs, got):
-                out[(slice(None), slice(None)) + sp(self._box(s))] = buf
+            shape = (self.counts[me], c) + self.spatial_shape
         else:
-            # I hold whole samples; rank s gets their part in its block.
-            n = self.offsets[-1]
-            out = xp.empty((n, c) + geometry.box_shape(my_box),
-                           dtype=x.dtype)
-            sends = [(s, xp.ascontiguousarray(
-                x[(slice(None), slice(None)) + sp(self._box(s))]))
-                for s in range(P) if s != me]
-            recvs = [(s, (self.counts[s], c) + geometry.box_shape(my_box))
-                     for s in range(P) if s != me]
-            out[self._samples(me)] = x[(slice(None), slice(None))
-                                       + sp(my_box)]
-            got = _comm.exchange(self.grid.mpi_spatial, sends, recvs, x)
-            for (s, _), buf in zip(recvs, got):
-                out[self._samples(s)] = buf
+            shape = (self.offsets[-1], c) + geometry.box_shape(
+                self._box(me))
+        out = xp.empty(shape, dtype=x.dtype)
+        sends, recvs, place, (src, dst) = self._plan(c)
+        # Every receive is posted before the first send; each send is
+        # packed just before it is posted (a generator), so the first
+        # messages travel while the later ones are packed.
+        pending = _comm.post_exchange(
+            self.grid.mpi_spatial,
+            ((peer, xp.ascontiguousarray(x[sel])) for peer, sel in sends),
+            recvs, x)
+        # The local piece is copied while the remote ones are in flight.
+        out[dst] = x[src]
+        # Each piece is unpacked as soon as it has arrived.
+        for i, buf in pending.arrivals():
+            out[place[i]] = buf
         return out,
 
     def backward(self, indexes, grad_outputs):

@@ -108,6 +108,49 @@ def test_layout_roundtrip(shape):
     chk.done()
 
 
+@pytest.mark.parametrize('shape', [(2, 1), (1, 2), (2, 2), (4, 1), (3, 1),
+                                   (1, 1, 2)], ids=str)
+@pytest.mark.parametrize('sp', ['even', 'empty_blocks'])
+def test_layout_uneven_counts_and_empty_pieces(shape, sp):
+    """Any number of samples per rank (some none), blocks without cells.
+
+    Sample layout -> spatial layout -> sample layout equals the serial
+    slicing of the group's batch exactly, and backward is the inverse
+    permutation, also for pieces that are not sent at all.
+    """
+    g = grid(shape)
+    P = g.spatial_size
+    # Spatial extent smaller than the grid gives blocks of zero cells.
+    size = ((3,) * len(shape) if sp == 'even'
+            else tuple(max(1, d - 1) for d in shape))
+    # Spatial rank s holds (s * 2) % 3 samples: 0, 2, 1, 0, ...
+    counts = [(s * 2) % 3 for s in range(P)]
+    x_group = np.random.RandomState(40 + g.group).randn(
+        sum(counts), 2, *size).astype(np.float32)
+    lo = sum(counts[:g.spatial_rank])
+    mine = x_group[lo:lo + counts[g.spatial_rank]]
+    xs = chainer.Variable(mine.copy())
+    xl = distconv.to_spatial_layout(g, xs)
+    box = g.block(size)
+    chk = Checker(0, 0)
+    chk.close('spatial layout', xl.array,
+              x_group[(slice(None), slice(None))
+                      + tuple(slice(a, b) for a, b in box)])
+    back = distconv.to_sample_layout(g, xl * 3)
+    a, b = distconv.sample_share(g, sum(counts))
+    chk.close('back to balanced sample layout', back.array,
+              3 * x_group[a:b])
+    # The gradient of a permutation is the inverse permutation: with the
+    # output gradient sliced from one group-wide array, each rank's input
+    # gradient is that array's slice of its own samples.
+    gy_group = np.random.RandomState(50 + g.group).randn(
+        *x_group.shape).astype(np.float32)
+    back.grad = gy_group[a:b].copy()
+    back.backward()
+    chk.close('gradient', xs.grad, 3 * gy_group[lo:lo + len(mine)])
+    chk.done()
+
+
 # ----------------------------------------------------------------------
 # Bad input: a clear ValueError on every rank, never a hang.
 # ----------------------------------------------------------------------

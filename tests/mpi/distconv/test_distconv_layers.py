@@ -193,6 +193,36 @@ def test_batch_normalization(shape, case):
     chk.done()
 
 
+@pytest.mark.parametrize('shape', [(2, 1), (2, 2), (4, 1), (3, 1)], ids=str)
+@pytest.mark.parametrize('chunk', [5, 40], ids=lambda c: 'chunk%d' % c)
+def test_batch_normalization_blocked_passes(monkeypatch, shape, chunk):
+    """The blocked (cache-sized) passes of the distributed batch norm.
+
+    A tiny chunk makes them split each channel into column ranges (5) or
+    group whole channels (40); a large common offset would expose a
+    variance formula that cancels (E[x^2] - E[x]^2 in float32); uneven and
+    (at 4 ranks over 3 rows) empty blocks are weighted by their cells.
+    """
+    from chainermn_overlap.distconv import normalization
+    monkeypatch.setattr(normalization, '_CHUNK', chunk)
+    g = grid(shape)
+    rng = np.random.RandomState(9)
+    x = (rng.randn(3, 4, 3, 7) * 0.5 + 300).astype(np.float32)
+    init_g = rng.rand(4).astype(np.float32) + 0.5
+    init_b = rng.randn(4).astype(np.float32)
+    serial = L.BatchNormalization(4, initial_gamma=init_g,
+                                  initial_beta=init_b)
+    dist = distconv.BatchNormalization(g, 4, initial_gamma=init_g,
+                                       initial_beta=init_b)
+    chk = compare_layer(
+        g, x, serial, dist,
+        [('gamma', serial.gamma, dist.gamma),
+         ('beta', serial.beta, dist.beta)], check=Checker(2e-4, 2e-4))
+    chk.close('running mean', dist.avg_mean, serial.avg_mean)
+    chk.close('running var', dist.avg_var, serial.avg_var)
+    chk.done()
+
+
 def grid_fits(shape):
     from distconv_mpi_helpers import comm
     return comm().size % int(np.prod(shape)) == 0
