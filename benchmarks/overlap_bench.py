@@ -657,10 +657,11 @@ def main(argv=None):
     p.add_argument('--bucket-size', default=None,
                    help='fusion bucket size of ours (default: library)')
     p.add_argument('--bucket-sweep', default=None, metavar='SIZES',
-                   help='comma-separated fusion bucket sizes (e.g. '
-                        '"4MiB,16MiB,64MiB") to time ours with at the '
-                        'calibrated rate, one job per size; result key '
-                        'bucket_sweep')
+                   help='only this: time ours with each of these '
+                        'comma-separated fusion bucket sizes (e.g. '
+                        '"4MiB,16MiB,64MiB") at --rate (or a calibrated '
+                        'rate), one job per size; result key bucket_sweep '
+                        '(use --out to keep overlap.json)')
     p.add_argument('--time-limit', type=float, default=840,
                    help='seconds; phases not started by then are skipped '
                         '(order: calibration and all modes, emulation, '
@@ -727,6 +728,14 @@ def main(argv=None):
                                                   TARGET_CENTER))
             rate, history = calibrate(cfg, t_compute, nbytes, log)
         result['calibration'] = history
+    if args.bucket_sweep:
+        if args.emulate:
+            raise SystemExit('--bucket-sweep runs on the test bed, not in '
+                             'the emulation: drop --emulate')
+        result['bucket_sweep'] = run_bucket_sweep(
+            rate, cfg, t_compute, args.bucket_sweep.split(','), log)
+        return _finish(result, args, t_start, log)
+    if not args.emulate:
         log('all modes at {:.1f} Mbit/s'.format(rate / 1e6))
         trace = os.path.join(RESULTS, 'overlap_trace.rank{rank}.json')
         cal = run_bed(rate, dict(cfg, trace=trace), t_compute, log)
@@ -737,9 +746,6 @@ def main(argv=None):
         result['calibrated'] = cal
         _table(cal['modes'], log, 'calibrated link {:.1f} Mbit/s, 2 ranks '
                '(network namespaces, tc tbf, MPICH/TCP):'.format(rate / 1e6))
-    if args.bucket_sweep and not args.emulate:
-        result['bucket_sweep'] = run_bucket_sweep(
-            rate, cfg, t_compute, args.bucket_sweep.split(','), log)
     if not args.no_emulate and not over_budget('the emulation'):
         emu_cfg = dict(cfg)
         if cfg['model'] != 'resnet50':
@@ -783,6 +789,10 @@ def main(argv=None):
         result['plot'] = None if problem else os.path.relpath(png, ROOT)
         log(problem or 'plot: ' + png)
 
+    return _finish(result, args, t_start, log)
+
+
+def _finish(result, args, t_start, log):
     result['checks'] = checks(result)
     result['seconds'] = time.time() - t_start
     result['machine']['loadavg_at_end'] = os.getloadavg()
@@ -796,7 +806,6 @@ def main(argv=None):
     if left:
         raise RuntimeError('namespaces left behind: {}'.format(left))
     return 0
-
 
 if __name__ == '__main__':
     sys.exit(main())
