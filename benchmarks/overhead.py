@@ -39,8 +39,8 @@ def main():
     p.add_argument('--arch', default='resnet_small')
     p.add_argument('--batchsize', type=int, default=16)
     p.add_argument('--insize', type=int, default=64)
-    p.add_argument('--iterations', type=int, default=12)
-    p.add_argument('--rounds', type=int, default=3)
+    p.add_argument('--iterations', type=int, default=9)
+    p.add_argument('--rounds', type=int, default=5)
     p.add_argument('--out', default=os.path.join(HERE, 'results',
                                                  'overhead.json'))
     args = p.parse_args()
@@ -70,8 +70,13 @@ def main():
             .create_double_buffering_optimizer(o, comm),
     }
     times = {k: [] for k in variants}
-    for _ in range(args.rounds):
-        for name, make in variants.items():
+    names = list(variants)
+    for r in range(args.rounds):
+        # Each round starts with another variant, so that no variant always
+        # runs first (fresh process state) or last (after the others).
+        order = names[r % len(names):] + names[:r % len(names)]
+        for name in order:
+            make = variants[name]
             model = build(args.arch, 0)
             opt = make(chainer.optimizers.MomentumSGD(0.01))
             opt.setup(model)
