@@ -23,7 +23,6 @@ Writes ``benchmarks/results/comm_cost.json``.
 import argparse
 import json
 import os
-import platform
 import statistics
 import sys
 import threading
@@ -33,6 +32,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 import netbed  # NOQA
+from overlap_bench import machine_description  # NOQA
 
 RESULT_TAG = 'COMM_COST_RESULT '
 
@@ -157,6 +157,7 @@ def main(argv=None):
                                                  'comm_cost.json'))
     args = p.parse_args(argv)
     netbed.require_root()
+    machine = machine_description()
     cfg = {'steps': args.steps, 'rounds': args.rounds,
            'message_bytes': 4 * 2 ** 20}
     with netbed.NetBed(2, args.rate) as bed:
@@ -176,10 +177,9 @@ def main(argv=None):
         'benchmark': 'compute slowdown while the link carries allreduces',
         'config': cfg, 'bed': record, 'summary': summary,
         'raw': per_rank,
-        'machine': {'platform': platform.platform(),
-                    'cpu_count': os.cpu_count(),
-                    'loadavg_at_end': os.getloadavg()},
+        'machine': machine,
     }
+    machine['loadavg_at_end'] = os.getloadavg()
     for v, d in summary.items():
         extra = ''
         if 'allreduce_MB_per_s_median' in d:
