@@ -11,7 +11,10 @@ the tap would have rank 0 and Chainer's backward, which processes nodes in
 decreasing rank order, would run every tap at the very end; with it the tap
 runs right after its consumer, in reverse layer order.
 """
+import functools
+
 import chainer
+from chainer import computational_graph
 from chainer import function_hook
 from chainer import function_node
 from chainer import link_hook
@@ -88,13 +91,13 @@ class OverlapLinkHook(link_hook.LinkHook):
         self.sink.after_forward(args.link)
 
     def __deepcopy__(self, memo):
-        return _InertLinkHook()
+        return InertLinkHook()
 
     def __reduce__(self):
-        return _InertLinkHook, ()
+        return InertLinkHook, ()
 
 
-class _InertLinkHook(link_hook.LinkHook):
+class InertLinkHook(link_hook.LinkHook):
     """What a copied or unpickled :class:`OverlapLinkHook` becomes."""
 
     name = 'chainermn_overlap'
@@ -177,3 +180,54 @@ def ensure_param_use_hook():
     hooks = chainer.get_function_hooks()
     if ParamUseHook.name not in hooks:
         hooks[ParamUseHook.name] = _PARAM_USE_HOOK
+
+
+# ----------------------------------------------------------------------------
+# Graph dumps.  A tap is an identity on a parameter; in a dump of the
+# computational graph (chainer.computational_graph, the DumpGraph extension)
+# it would show as an extra function node with an unnamed output variable
+# per parameter and call.  The builder is wrapped, once, to contract every
+# tap: its consumers read the parameter itself again, so the dump is the one
+# a run without this library gives.
+
+def contract_taps(graph):
+    """Removes the gradient taps from a ``ComputationalGraph`` in place."""
+    taps = {n for n in graph.nodes if isinstance(n, GradTap)}
+    if not taps:
+        return graph
+    # The tap's output variable nodes stand for its parameter.
+    alias = {}
+    for src, dst in graph.edges:
+        if src in taps:
+            alias[dst] = src.inputs[0]
+    edges = []
+    seen = set()
+    for src, dst in graph.edges:
+        if src in taps or dst in taps:
+            continue
+        edge = (alias.get(src, src), alias.get(dst, dst))
+        if edge not in seen:
+            seen.add(edge)
+            edges.append(edge)
+    used = {n for edge in edges for n in edge}
+    nodes = [n for n in graph.nodes
+             if n not in taps and n not in alias
+             and (n in used or not isinstance(n, variable.VariableNode))]
+    graph.nodes, graph.edges = nodes, edges
+    return graph
+
+
+def _wrap_graph_builder(build):
+    @functools.wraps(build)
+    def build_computational_graph(*args, **kwargs):
+        return contract_taps(build(*args, **kwargs))
+    build_computational_graph.__chainermn_overlap__ = True
+    return build_computational_graph
+
+
+def install_graph_dump_filter():
+    """Makes ``chainer.computational_graph`` dumps show no taps (once)."""
+    fn = computational_graph.build_computational_graph
+    if not getattr(fn, '__chainermn_overlap__', False):
+        computational_graph.build_computational_graph = \
+            _wrap_graph_builder(fn)

@@ -43,6 +43,8 @@ from chainermn_overlap.hooks import taps
 
 
 DEFAULT_BUCKET_SIZE = 16 * 1024 * 1024
+# Levels of the control message's first slot (reduced with MAX).
+_UNCHANGED, _RELAYOUT, _SKIP = 0, 1, 2
 # With wait='forward', limits of the last buckets (last first): they hold the
 # first layers, whose reduction the next forward waits for first.
 TAIL_BUCKETS = (1 << 20, 2 << 20, 4 << 20, 8 << 20)
@@ -196,7 +198,6 @@ class _OverlapState(object):
         self.backward_started = False
         self.observed = []
         self.observed_set = set()
-        self.local_changed = False
         self.loaded = False
         self.no_sync_depth = 0
         self.swaps = {}
@@ -226,14 +227,13 @@ class _OverlapState(object):
         self.target = target
         self._hook_links()
         taps.install_param_use_hook(self)
+        taps.install_graph_dump_filter()
         _autosync.register(target, self)
 
     def detach(self):
         self.synchronize()
         for link in list(self.hooked_links):
-            if self.link_hook.name in link.local_link_hooks:
-                link.delete_hook(self.link_hook.name)
-        self.hooked_links = weakref.WeakSet()
+            self._unhook(link)
         taps.uninstall_param_use_hook(self)
         if self.target is not None:
             _autosync.unregister(self.target)
@@ -242,6 +242,12 @@ class _OverlapState(object):
         self.infos = []
         self.info_by_pid = {}
         self.array_lookup = {}
+
+    def _unhook(self, link):
+        if link.local_link_hooks.get(self.link_hook.name) is self.link_hook:
+            link.delete_hook(self.link_hook.name)
+        self.hooked_links.discard(link)
+        _autosync.unregister(link)
 
     def write_timeline(self):
         if self.timeline is not None:
@@ -257,10 +263,18 @@ class _OverlapState(object):
             self.backend = None
 
     def _hook_links(self):
-        for link in self.target.links():
+        current = set(self.target.links())
+        for link in list(self.hooked_links):
+            if link not in current:
+                # Removed from the model (delete_link): no longer ours.
+                self._unhook(link)
+        for link in current:
             if link in self.hooked_links or not link._params:
                 continue
             hooks = link.local_link_hooks
+            if isinstance(hooks.get(self.link_hook.name), taps.InertLinkHook):
+                # A copy of a link set up before (copy.deepcopy, pickling).
+                link.delete_hook(self.link_hook.name)
             if self.link_hook.name in hooks:
                 if hooks[self.link_hook.name] is not self.link_hook:
                     raise ValueError(
@@ -541,11 +555,16 @@ class _OverlapState(object):
         """
         if self.control is not None:
             return
-        changed = self.local_changed or self._structure_changed()
+        if self._changes_step():
+            level = _SKIP
+        elif self._structure_changed():
+            level = _RELAYOUT
+        else:
+            level = _UNCHANGED
         # Also carries every rank's layout fingerprint and iteration number,
         # checked in close_iteration (see watchdog.control_message).
         buf = watchdog_module.control_message(
-            changed, self.loaded, self.rank, self.size,
+            level, self.loaded, self.rank, self.size,
             watchdog_module.layout_fingerprint(self.buckets), self.iteration)
         self.control = (buf, self.backend.allreduce(
             buf, 'max',
@@ -558,7 +577,27 @@ class _OverlapState(object):
                  None if p.array is None else str(p.dtype))
                 for n, p in sorted(self.target.namedparams())]
 
+    def _changes_step(self):
+        """Whether this rank's update must broadcast and skip the step.
+
+        ChainerMN's rule: the set of initialised parameters (names, and
+        whether each holds an array) differs from the previous update's: a
+        link added or removed, a lazily initialised link that ran.  Before
+        the first update there is no previous set.  Parameters loaded on
+        this rank (a resume) also change the step; whether it is skipped in
+        the end is decided globally (not when every rank loaded).  How the
+        change came about (``setup()`` again, ``add_link``, a first forward)
+        does not matter.
+        """
+        if self.loaded or self.structure is None:
+            return True
+        cur = [(n, p.array is not None)
+               for n, p in sorted(self.target.namedparams())]
+        return cur != [(n, s is not None)
+                       for n, _, s, _ in self.structure]
+
     def _structure_changed(self):
+        """Whether the layout must be rebuilt (any parameter replaced)."""
         if self.structure is None:
             return True
         cur = self._local_structure()
@@ -584,7 +623,7 @@ class _OverlapState(object):
     def _close_iteration(self):
         self._restore_all_swaps()
         if self.buckets is None:
-            self._relayout(first=True)
+            self._relayout()
             return
         self._hook_links()
         self._post_control()
@@ -599,9 +638,9 @@ class _OverlapState(object):
         buf, handle = self.control
         handle.wait()
         watchdog_module.check_control(buf, self.rank, self.size)
-        changed, all_loaded = bool(buf[0]), buf[1] == -1
-        if changed:
-            self._relayout(first=False, all_loaded=all_loaded)
+        level, all_loaded = int(buf[0]), buf[1] == -1
+        if level != _UNCHANGED:
+            self._relayout(skip=level == _SKIP and not all_loaded)
             return
         self.loaded = False
         fallback = self._fallback_reason()
@@ -713,7 +752,6 @@ class _OverlapState(object):
         self.next_post = 0
         self.control = None
         self.backward_started = False
-        self.local_changed = False
         self.array_lookup = {id(i.param.array): i for i in self.infos
                              if i.param.array is not None}
 
@@ -790,12 +828,16 @@ class _OverlapState(object):
         resumed run equals an uninterrupted one.
         """
         self.loaded = True
-        self.local_changed = True
 
     # ------------------------------------------------------------------
     # (Re)building the layout: blocking, on every rank at the same point
 
-    def _relayout(self, first, all_loaded=None):
+    def _relayout(self, skip=None):
+        """Rebuilds the layout; ``skip``: whether this step is skipped.
+
+        ``skip=None`` (no layout yet, or ``setup()`` was called again)
+        decides it here, with the same rule the control message applies.
+        """
         comm = self.mpi_comm
         if self.buckets is not None:
             for bucket in self.buckets:
@@ -808,10 +850,12 @@ class _OverlapState(object):
                     else [None, None]) for n, p in named}
         gathered = _mpi_json.allgather_json(
             comm, {'params': mine, 'loaded': bool(self.loaded),
+                   'changes_step': self._changes_step(),
                    'order': self.observed})
         self._check_same_model(named, gathered)
-        if all_loaded is None:
-            all_loaded = all(g['loaded'] for g in gathered)
+        if skip is None:
+            skip = (any(g['changes_step'] for g in gathered)
+                    and not all(g['loaded'] for g in gathered))
 
         # Initialise what other ranks initialised (a lazily initialised link
         # that ran on some ranks only), then broadcast every parameter from
@@ -866,14 +910,19 @@ class _OverlapState(object):
         self.loaded = False
         self._reset_iteration()
 
-        if all_loaded:
-            # Resumed on every rank: this step's gradients are valid.
-            for info in self.infos:
-                self._pack(info, info.param.grad)
-            self._try_post()
-            self._complete_in_update()
-            self._reset_iteration()
-        # Otherwise the step is skipped, as ChainerMN does after a broadcast.
+        if skip:
+            # As ChainerMN does after a broadcast: no update rule runs, and
+            # the gradients of this step (reduced above in the old layout,
+            # if any) are dropped.
+            return
+        # The set of parameters is unchanged (setup() again, a parameter
+        # replaced by one of the same name) or every rank resumed from the
+        # same snapshot: this step's gradients are valid.
+        for info in self.infos:
+            self._pack(info, info.param.grad)
+        self._try_post()
+        self._complete_in_update()
+        self._reset_iteration()
 
     def _check_same_model(self, named, gathered):
         names0 = sorted(gathered[0]['params'])
@@ -952,16 +1001,13 @@ class _OverlappedOptimizer(_wrapper.OptimizerWrapper):
         if not isinstance(link, chainer.Link):
             raise TypeError('setup() expects a chainer.Link, got {}'
                             .format(type(link).__name__))
-        # setup() again on the model being trained: its parameters are
-        # already the same on every rank, so (as in ChainerMN) the next step
-        # is not skipped; it still re-broadcasts, which is harmless.
-        again = st.target is link and st.buckets is not None
+        # setup() again (e.g. after add_link): the next update re-broadcasts
+        # and, as in ChainerMN, skips its step only if the set of initialised
+        # parameters changed since the previous update (see _changes_step).
         if st.target is not None:
             st.detach()
         st.actual.setup(link)
         st.attach(link)
-        if again:
-            st.mark_loaded()
         return self
 
     def update(self, lossfun=None, *args, **kwds):
