@@ -21,12 +21,47 @@ from chainer import link_hook
 from chainer import variable
 
 
+class GradientSink(object):
+    """What the hooks report to (the optimizer's gradient tracker).
+
+    The link hook calls :meth:`before_forward`/:meth:`after_forward`, each
+    :class:`GradTap` calls :meth:`on_tap` in backward, and the function hook
+    calls :meth:`on_raw_use` and :meth:`apply_pending` with the per-parameter
+    state found in :attr:`array_lookup`.
+    """
+
+    #: ``{id(param.array): state}`` of the tracked parameters.
+    array_lookup = {}
+    #: Number of deferred updates not applied yet.
+    pending_count = 0
+
+    def before_forward(self, link, args, kwargs):
+        """``link`` is about to run: apply its updates, tap its parameters."""
+        raise NotImplementedError
+
+    def after_forward(self, link):
+        """``link`` ran: put its parameters back."""
+        raise NotImplementedError
+
+    def on_tap(self, param, so_far, gy, iteration):
+        """One use's gradient ``gy`` of ``param``; returns the new total."""
+        raise NotImplementedError
+
+    def on_raw_use(self, state):
+        """A function received the parameter's array itself (not a tap)."""
+        raise NotImplementedError
+
+    def apply_pending(self, state):
+        """Applies the parameter's pending deferred update now."""
+        raise NotImplementedError
+
+
 class GradTap(function_node.FunctionNode):
     """Identity on a parameter that reports the gradient flowing through it.
 
     Args:
-        sink: object with ``on_tap(param, grad_so_far, grad, iteration)``,
-            called during backward; returns the accumulated gradient.
+        sink (GradientSink): its ``on_tap`` is called during backward and
+            returns the accumulated gradient.
         iteration: the sink's iteration when the tap was made.
         param (chainer.Parameter): the tapped parameter.
     """
@@ -56,7 +91,8 @@ class GradTap(function_node.FunctionNode):
         return tuple(out)
 
 
-def _first_variable(args, kwargs):
+def first_variable(args, kwargs):
+    """The first ``Variable`` among a call's arguments, or None."""
     for a in args:
         if isinstance(a, variable.Variable):
             return a

@@ -1,0 +1,276 @@
+"""The bucket layout and the checks that keep every rank consistent.
+
+The layout (which parameters travel in which bucket, in which order) is
+built on every rank at the same point, from rank 0's plan, broadcast as
+JSON: identical on all ranks by construction.  Building it also checks that
+every rank has the same model, initialises what other ranks initialised
+(a lazily initialised link used on some ranks only) and broadcasts every
+parameter from rank 0.
+
+Each iteration starts with a control message, the first collective of the
+iteration, reduced with ``MAX``: whether this rank saw the model change
+(and how), whether it loaded a snapshot, its layout fingerprint and its
+iteration number.  The decision to rebuild the layout and to skip a step
+is therefore global, never a per-rank guess that would make ranks disagree.
+"""
+import numpy
+
+import chainer
+
+from chainermn_overlap import _mpi_json
+from chainermn_overlap.communication import buckets as buckets_module
+from chainermn_overlap.communication import watchdog as watchdog_module
+from chainermn_overlap.optimizers._tracker import ParamState
+
+# With wait='forward', limits of the last buckets (last first): they hold the
+# first layers, whose reduction the next forward waits for first.
+TAIL_BUCKETS = (1 << 20, 2 << 20, 4 << 20, 8 << 20)
+
+# Levels of the control message's first slot (reduced with MAX).
+UNCHANGED, RELAYOUT, SKIP = 0, 1, 2
+
+
+# Parameters move as raw bytes (JSON for metadata, see _mpi_json): nothing
+# received from a peer is ever unpickled.
+
+def bcast_array(mpi_comm, array, root):
+    """Broadcasts an array in place (as bytes; staged on the host for GPU)."""
+    from mpi4py import MPI
+    xp = chainer.backend.get_array_module(array)
+    host = array if xp is numpy else chainer.backend.CpuDevice().send(array)
+    if not host.flags.c_contiguous:
+        host = numpy.ascontiguousarray(host)
+    mpi_comm.Bcast([host.view(numpy.uint8).reshape(-1), MPI.BYTE], root=root)
+    if host is not array:
+        array[...] = xp.asarray(host)
+
+
+def _describe(sig):
+    shape, dtype = sig
+    if shape is None:
+        return 'uninitialised'
+    return 'shape {} {}'.format(tuple(shape), dtype)
+
+
+def _local_structure(target):
+    return [(n, p, None if p.array is None else p.shape,
+             None if p.array is None else str(p.dtype))
+            for n, p in sorted(target.namedparams())]
+
+
+class LayoutManager(object):
+    """Builds layouts and runs the per-iteration consistency check.
+
+    Args:
+        mpi_comm: the communicator's ``mpi_comm`` (for the blocking
+            collectives of a relayout).
+        bucket_size (int): fusion bucket size in bytes.
+        allreduce_grad_dtype: wire dtype or None.
+        wait (str): ``'forward'`` adds the small tail buckets.
+    """
+
+    def __init__(self, mpi_comm, bucket_size, allreduce_grad_dtype, wait):
+        self.mpi_comm = mpi_comm
+        self.rank = mpi_comm.rank
+        self.size = mpi_comm.size
+        self.bucket_size = bucket_size
+        self.allreduce_grad_dtype = allreduce_grad_dtype
+        self.wait = wait
+        # (name, param, shape, dtype) of every parameter at the last layout.
+        self.structure = None
+        self.loaded = False
+        self.control = None
+
+    # ------------------------------------------------------------------
+    # What changed
+
+    def mark_loaded(self):
+        """Parameters were deserialized: broadcast them at the next update.
+
+        The step after a resume is not skipped when every rank loaded, so a
+        resumed run equals an uninterrupted one.
+        """
+        self.loaded = True
+
+    def changes_step(self, target):
+        """Whether this rank's update must broadcast and skip the step.
+
+        ChainerMN's rule: the set of initialised parameters (names, and
+        whether each holds an array) differs from the previous update's: a
+        link added or removed, a lazily initialised link that ran.  Before
+        the first update there is no previous set.  Parameters loaded on
+        this rank (a resume) also change the step; whether it is skipped in
+        the end is decided globally (not when every rank loaded).  How the
+        change came about (``setup()`` again, ``add_link``, a first forward)
+        does not matter.
+        """
+        if self.loaded or self.structure is None:
+            return True
+        cur = [(n, p.array is not None)
+               for n, p in sorted(target.namedparams())]
+        return cur != [(n, s is not None) for n, _, s, _ in self.structure]
+
+    def structure_changed(self, target):
+        """Whether the layout must be rebuilt (any parameter replaced)."""
+        if self.structure is None:
+            return True
+        cur = _local_structure(target)
+        if len(cur) != len(self.structure):
+            return True
+        for (n1, p1, s1, d1), (n2, p2, s2, d2) in zip(cur, self.structure):
+            if n1 != n2 or p1 is not p2 or s1 != s2 or d1 != d2:
+                return True
+        return False
+
+    # ------------------------------------------------------------------
+    # The control message
+
+    def post_control(self, engine, target, buckets, iteration):
+        """First collective of every iteration: did anything change?
+
+        ChainerMN decides locally whether the set of initialised parameters
+        changed; a lazily initialised link used on one rank only would then
+        make ranks disagree and hang.  Reducing the flags first makes the
+        decision global, by construction the same on all ranks.
+        """
+        if self.control is not None:
+            return
+        if self.changes_step(target):
+            level = SKIP
+        elif self.structure_changed(target):
+            level = RELAYOUT
+        else:
+            level = UNCHANGED
+        # Also carries every rank's layout fingerprint and iteration number,
+        # checked in wait_control (see watchdog.control_message).
+        buf = watchdog_module.control_message(
+            level, self.loaded, self.rank, self.size,
+            watchdog_module.layout_fingerprint(buckets), iteration)
+        self.control = (buf, engine.allreduce(
+            buf, 'max',
+            label='control message of iteration {}'.format(iteration),
+            slot=(iteration, 0, len(buckets) + 1),
+            priority=float('inf')))
+
+    def wait_control(self):
+        """Returns ``(level, all_loaded)`` agreed by all ranks."""
+        buf, handle = self.control
+        handle.wait()
+        watchdog_module.check_control(buf, self.rank, self.size)
+        return int(buf[0]), buf[1] == -1
+
+    def sync_control(self):
+        if self.control is not None:
+            self.control[1].wait()
+
+    def next_iteration(self):
+        self.control = None
+
+    # ------------------------------------------------------------------
+    # (Re)building the layout: blocking, on every rank at the same point
+
+    def build(self, target, observed, skip=None):
+        """Checks, initialises and broadcasts; returns the new layout.
+
+        Args:
+            target (chainer.Link): the model.
+            observed (list): this rank's gradient order before the first
+                layout (rank 0's becomes the bucket order).
+            skip (bool): whether this step is skipped; None decides it here
+                (no layout yet, or ``setup()`` was called again), with the
+                same rule the control message applies.
+
+        Returns:
+            ``(buckets, infos, skip)``.
+        """
+        comm = self.mpi_comm
+        named = sorted(target.namedparams())
+        mine = {n: ([list(p.shape), str(p.dtype)] if p.array is not None
+                    else [None, None]) for n, p in named}
+        gathered = _mpi_json.allgather_json(
+            comm, {'params': mine, 'loaded': bool(self.loaded),
+                   'changes_step': self.changes_step(target),
+                   'order': observed})
+        self._check_same_model(named, gathered)
+        if skip is None:
+            skip = (any(g['changes_step'] for g in gathered)
+                    and not all(g['loaded'] for g in gathered))
+        self._initialise_and_broadcast(named, gathered)
+        plan = _mpi_json.bcast_json(
+            comm, self._plan(named, gathered[0]['order'])
+            if self.rank == 0 else None)
+        by_name = dict(named)
+        buckets, infos = [], []
+        for index, (dtype, entries) in enumerate(plan):
+            bplan = buckets_module.BucketPlan(
+                numpy.dtype(dtype), tuple(tuple(e) for e in entries),
+                sum(e[2] for e in entries))
+            params = [by_name[e[0]] for e in entries]
+            bucket = buckets_module.Bucket(index, bplan, params)
+            buckets.append(bucket)
+            for i, (name, p) in enumerate(zip(bucket.names, params)):
+                infos.append(ParamState(name, p, bucket, i))
+        self.structure = _local_structure(target)
+        self.loaded = False
+        return buckets, infos, skip
+
+    def _initialise_and_broadcast(self, named, gathered):
+        # Initialise what other ranks initialised (a lazily initialised link
+        # that ran on some ranks only), then broadcast every parameter from
+        # the lowest rank that has it (rank 0 whenever it does).
+        for n, p in named:
+            owners = [r for r, g in enumerate(gathered)
+                      if g['params'][n][0] is not None]
+            if not owners:
+                continue
+            if p.array is None:
+                shape, dtype = gathered[owners[0]]['params'][n]
+                p.initialize(tuple(shape))
+                if str(p.dtype) != dtype:
+                    raise ValueError(
+                        'parameter {} initialises as {} on rank {} but as {} '
+                        'on rank {}; give its initializer an explicit dtype.'
+                        .format(n, p.dtype, self.rank, dtype, owners[0]))
+            bcast_array(self.mpi_comm, p.array, root=owners[0])
+
+    def _plan(self, named, observed):
+        # Rank 0's observed gradient order (backward order), then the rest
+        # in reverse name order.
+        mine = dict(named)
+        order = [n for n in observed if n in mine]
+        seen = set(order)
+        order += [n for n, _ in reversed(named) if n not in seen]
+        sizes = {n: p.size for n, p in named if p.array is not None}
+        dtypes = {n: str(p.dtype) for n, p in named if p.array is not None}
+        entries = [(n, sizes[n], dtypes[n]) for n in order if n in sizes]
+        return [[str(b.dtype), [list(e) for e in b.entries]]
+                for b in buckets_module.plan_buckets(
+                    entries, self.bucket_size, self.allreduce_grad_dtype,
+                    tail=TAIL_BUCKETS if self.wait == 'forward' else ())]
+
+    def _check_same_model(self, named, gathered):
+        names0 = sorted(gathered[0]['params'])
+        for r, g in enumerate(gathered):
+            names = sorted(g['params'])
+            if names != names0:
+                extra = sorted(set(names) - set(names0))
+                missing = sorted(set(names0) - set(names))
+                raise ValueError(
+                    'the model differs between ranks: rank {} has parameters '
+                    '{} that rank 0 lacks and lacks {} (seen on rank {}). '
+                    'Every rank must build the same model before '
+                    'create_overlapped_optimizer(...).setup(model).'.format(
+                        r, extra[:5], missing[:5], self.rank))
+        for n, _ in named:
+            seen = {}
+            for r, g in enumerate(gathered):
+                shape, dtype = g['params'][n]
+                if shape is not None:
+                    seen.setdefault((tuple(shape), dtype), r)
+            if len(seen) > 1:
+                desc = '; '.join('rank {}: {}'.format(r, _describe(k))
+                                 for k, r in seen.items())
+                raise ValueError(
+                    'parameter {} differs between ranks ({}) (seen on rank '
+                    '{}). Every rank must build the same model.'.format(
+                        n, desc, self.rank))

@@ -1,0 +1,190 @@
+"""When reduced gradients become updates: in ``update()``, or per link later.
+
+``wait='update'`` (and the fallback of ``wait='forward'``) completes the
+iteration in ``update()``: every mean gradient goes into ``param.grad`` and
+the actual optimizer runs, ChainerMN's state exactly.  ``wait='forward'``
+defers each parameter's update until its link next runs (or anything reads
+it): the optimizer's hyperparameters and hooks are snapshotted when the
+iteration closes, so a deferred update equals the one the blocking
+optimizer ran then.
+"""
+import contextlib
+import time
+import warnings
+
+from chainer import optimizer as optimizer_module
+
+from chainermn_overlap.errors import FallbackWarning
+
+
+def fallback_reason(actual):
+    """Why ``actual`` cannot update parameter by parameter (None if it can)."""
+    if not isinstance(actual, optimizer_module.GradientMethod):
+        return '{} is not a GradientMethod'.format(type(actual).__name__)
+    if type(actual).update is not optimizer_module.GradientMethod.update:
+        return '{} overrides update()'.format(type(actual).__name__)
+    if actual._loss_scaling_is_dynamic:
+        return 'dynamic loss scaling needs every gradient at once'
+    hookable = actual._hookable
+    for hooks in (hookable._pre_update_hooks, hookable._post_update_hooks):
+        for name, hook in hooks.items():
+            if not getattr(hook, 'call_for_each_param', False):
+                return ('optimizer hook {!r} ({}) needs every gradient at '
+                        'once'.format(name, type(hook).__name__))
+    return None
+
+
+@contextlib.contextmanager
+def hyperparams(hp, snapshot):
+    """Applies hyperparameters as they were when the iteration closed.
+
+    Extensions (learning-rate schedules) change them after update(); the
+    deferred update must still use the values of its own iteration.
+    """
+    if not snapshot:
+        yield
+        return
+    changed = {}
+    for k, v in snapshot.items():
+        cur = getattr(hp, k, None)
+        if cur is not v and cur != v:
+            changed[k] = cur
+            setattr(hp, k, v)
+    try:
+        yield
+    finally:
+        for k, v in changed.items():
+            setattr(hp, k, v)
+
+
+class UpdatePolicy(object):
+    """Runs the update rules on the mean gradients.
+
+    Args:
+        actual (chainer.Optimizer): the wrapped optimizer.
+        wait (str): ``'forward'`` or ``'update'``.
+        reducer (BucketReducer): waits for buckets and reads mean gradients.
+        timeline: the optimizer's timeline (a ``NullTimeline`` if off).
+    """
+
+    def __init__(self, actual, wait, reducer, timeline):
+        self.actual = actual
+        self.wait = wait
+        self.reducer = reducer
+        self.timeline = timeline
+        self.infos = []
+        self.by_bucket = {}
+        # Updates of the last closed iteration not applied yet.
+        self.pending_count = 0
+        self.hyperparams = None
+        # Optimizer hooks as they were when the deferred updates' iteration
+        # closed: a hook added later must not apply to them (ChainerMN had
+        # already run that update when the hook was added).
+        self.deferred_hooks = None
+        self.warned_fallback = False
+
+    def set_layout(self, infos):
+        self.infos = infos
+        self.by_bucket = {}
+        for info in infos:
+            self.by_bucket.setdefault(info.bucket.index, []).append(info)
+        self.pending_count = 0
+
+    def finish_iteration(self, target):
+        """All buckets of the iteration are posted: update or defer."""
+        fallback = fallback_reason(self.actual)
+        if self.wait == 'update' or fallback:
+            if fallback and self.wait == 'forward' and not self.warned_fallback:
+                self.warned_fallback = True
+                warnings.warn(
+                    "wait='forward' falls back to waiting in update(): {}. "
+                    'Results are exact, but communication overlaps only '
+                    'with backward.'.format(fallback), FallbackWarning,
+                    stacklevel=5)
+            self.complete_in_update()
+        else:
+            self._defer(target)
+
+    def complete_in_update(self):
+        """ChainerMN semantics: mean gradients in param.grad, then update."""
+        reducer = self.reducer
+        for bucket in reducer.buckets:
+            reducer.wait_bucket(bucket)
+        for info in self.infos:
+            g = reducer.mean_grad(info)
+            cur = info.param.grad
+            if (cur is not None and cur.shape == g.shape
+                    and cur.dtype == g.dtype):
+                cur[...] = g
+            else:
+                info.param.grad = g.copy()
+        for bucket in reducer.buckets:
+            bucket.handle = None
+        self.actual.update()
+
+    def _defer(self, target):
+        actual = self.actual
+        self.hyperparams = actual.hyperparam.get_dict()
+        hookable = actual._hookable
+        self.deferred_hooks = (list(hookable._pre_update_hooks.values()),
+                               list(hookable._post_update_hooks.values()))
+        actual.t += 1
+        for info in self.infos:
+            info.pending = True
+        self.pending_count = len(self.infos)
+        # Parameters outside the layout (never initialised) still go through
+        # their update rule, as GradientMethod.update would do.
+        in_layout = {id(i.param) for i in self.infos}
+        for p in target.params():
+            if id(p) not in in_layout and p.array is None:
+                p.update()
+
+    def apply(self, infos):
+        """Waits for the reductions of ``infos`` and runs their update."""
+        t0 = time.perf_counter()
+        actual = self.actual
+        hookable = actual._hookable
+        if self.deferred_hooks is not None:
+            pre, post = self.deferred_hooks
+        else:
+            pre = list(hookable._pre_update_hooks.values())
+            post = list(hookable._post_update_hooks.values())
+        reducer = self.reducer
+        with hyperparams(actual.hyperparam, self.hyperparams):
+            for info in infos:
+                if not info.pending:
+                    continue
+                reducer.wait_bucket(info.bucket)
+                param = info.param
+                saved = param.grad
+                param.grad = reducer.mean_grad(info)
+                rule = param.update_rule
+                for hook in pre:
+                    hook(rule, param)
+                param.update()
+                for hook in post:
+                    hook(rule, param)
+                param.grad = saved
+                info.pending = False
+                self.pending_count -= 1
+        for info in infos:
+            b = info.bucket
+            if b.handle is not None and not any(
+                    i.pending for i in self._bucket_infos(b)):
+                b.handle = None
+        if self.timeline.enabled:
+            self.timeline.span(
+                'update ' + infos[0].name.rsplit('/', 1)[0], 'update', t0,
+                time.perf_counter(), args={'params': [i.name for i in infos]})
+
+    def _bucket_infos(self, bucket):
+        return self.by_bucket[bucket.index]
+
+    def flush_bucket(self, bucket):
+        """Finishes a bucket of an earlier iteration before its reuse."""
+        pending = [i for i in self._bucket_infos(bucket) if i.pending]
+        if pending:
+            self.apply(pending)
+        else:
+            self.reducer.wait_bucket(bucket)
+        bucket.handle = None

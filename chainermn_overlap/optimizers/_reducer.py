@@ -1,0 +1,216 @@
+"""Bucket reduction: pack final gradients, post buckets in order, wait, mean.
+
+The :class:`BucketReducer` sits between the gradient tracker and the
+progress engine.  It packs each final gradient into its fusion bucket,
+posts every complete bucket as soon as all earlier buckets are posted (so
+all ranks post the same buckets in the same order, whatever their own
+control flow), and, when a bucket's result is needed, waits for it and
+turns the sum into a mean.  What is done to a bucket on the wire is a
+:class:`BucketOperation`: one interface (a bucket in, its reduction
+started; then finished into the mean in place) through which the plain
+mean, low-precision wire formats and compression plug in without the
+tracker or the update policy knowing.
+"""
+import time
+
+import chainer
+
+
+class CommunicationStats(object):
+    """Counters of gradient communication, for users and benchmarks.
+
+    ``comm_seconds`` is the time the progress engine spent reducing buckets;
+    ``wait_seconds`` the time training was blocked waiting for them.  The
+    fraction of communication hidden behind computation is
+    ``1 - wait_seconds / comm_seconds``.
+    """
+
+    def __init__(self):
+        self.reset()
+
+    def reset(self):
+        self.buckets = 0
+        self.bytes = 0
+        self.comm_seconds = 0.0
+        self.wait_seconds = 0.0
+
+    def record(self, handle, waited):
+        self.buckets += 1
+        self.bytes += handle.nbytes
+        self.comm_seconds += handle.busy_seconds()
+        self.wait_seconds += waited
+
+    def as_dict(self):
+        return {'buckets': self.buckets, 'bytes': self.bytes,
+                'comm_seconds': self.comm_seconds,
+                'wait_seconds': self.wait_seconds,
+                'hidden_fraction': hidden_fraction(self.wait_seconds,
+                                                   self.comm_seconds)}
+
+
+def hidden_fraction(wait_seconds, comm_seconds):
+    """``1 - wait / comm``: the share of communication hidden (None if 0)."""
+    if comm_seconds <= 0:
+        return None
+    return 1.0 - wait_seconds / comm_seconds
+
+
+class BucketOperation(object):
+    """What happens to one bucket on the wire (one signature for all).
+
+    ``start`` posts the bucket's reduction on the engine and returns its
+    handle; ``finish`` is called once the handle completed and leaves the
+    mean over ranks in ``bucket.buffer``, in place.
+    """
+
+    def start(self, engine, bucket, label, slot, priority):
+        raise NotImplementedError
+
+    def finish(self, bucket, size):
+        raise NotImplementedError
+
+
+class MeanAllreduce(BucketOperation):
+    """The exact reduction: one allreduce (sum), then a scale by 1/size."""
+
+    def start(self, engine, bucket, label, slot, priority):
+        return engine.allreduce(bucket.buffer, 'sum', label=label, slot=slot,
+                                priority=priority)
+
+    def finish(self, bucket, size):
+        if size > 1:
+            bucket.buffer *= bucket.buffer.dtype.type(1.0 / size)
+
+
+class BucketReducer(object):
+    """Packs, posts in bucket order, waits and averages the buckets.
+
+    Args:
+        engine: the progress engine (``allreduce(...)`` returning handles).
+        size (int): number of ranks.
+        wait (str): ``'forward'`` gives the last bucket (the first layers)
+            the highest priority, ``'update'`` the first.
+        timeline: the optimizer's timeline (a ``NullTimeline`` if off).
+        before_reuse (callable): ``before_reuse(bucket)`` is called before
+            a bucket's buffer, still holding the previous iteration's mean,
+            is overwritten (the update policy applies what is pending).
+        before_first_post (callable): called before every post; the first
+            call of an iteration posts the control message.
+        operation (BucketOperation): default :class:`MeanAllreduce`.
+    """
+
+    def __init__(self, engine, size, wait, timeline, before_reuse,
+                 before_first_post, operation=None):
+        self.engine = engine
+        self.size = size
+        self.wait = wait
+        self.timeline = timeline
+        self.before_reuse = before_reuse
+        self.before_first_post = before_first_post
+        self.operation = operation or MeanAllreduce()
+        self.stats = CommunicationStats()
+        self.buckets = []
+        self.next_post = 0
+
+    def set_buckets(self, buckets):
+        self.buckets = buckets
+        self.next_post = 0
+
+    @property
+    def all_posted(self):
+        return self.next_post == len(self.buckets)
+
+    def pack(self, info, grad):
+        """Copies a final gradient (None: zeros) into its bucket's slot."""
+        bucket = info.bucket
+        if bucket.handle is not None:
+            # The buffer still holds last iteration's mean for parameters
+            # whose links have not run yet: apply those updates first.
+            self.before_reuse(bucket)
+        xp = chainer.backend.get_array_module(info.param.array)
+        bucket.ensure_buffer(xp)
+        slot = bucket.slot(info.index)
+        if grad is None:
+            slot.fill(0)
+        else:
+            slot[...] = grad.reshape(-1)
+        info.packed = grad
+        info.ready = True
+        bucket.n_ready += 1
+
+    def try_post(self, iteration):
+        """Posts every complete bucket whose predecessors are all posted."""
+        bs = self.buckets
+        while (self.next_post < len(bs)
+               and bs[self.next_post].n_ready == len(bs[self.next_post].params)):
+            self._post(bs[self.next_post], iteration)
+            self.next_post += 1
+
+    def _post(self, bucket, iteration):
+        self.before_first_post()
+        # Round items: 0 is the control message, bucket b is b + 1.  With
+        # wait='forward' the last bucket posted holds the first layers, which
+        # the next forward needs first.
+        prio = bucket.index if self.wait == 'forward' else -bucket.index
+        bucket.handle = self.operation.start(
+            self.engine, bucket,
+            label='{} of iteration {}'.format(bucket.label(), iteration),
+            slot=(iteration, bucket.index + 1, len(self.buckets) + 1),
+            priority=prio)
+        bucket.posted = True
+        bucket.finalized = False
+        self.timeline.instant('post bucket {}'.format(bucket.index), 'post',
+                              args={'label': bucket.label()})
+
+    def wait_bucket(self, bucket):
+        """Waits for a posted bucket; leaves the mean in its buffer."""
+        if bucket.handle is None or bucket.finalized:
+            return
+        handle = bucket.handle
+        t0 = time.perf_counter()
+        # Raises CommunicationError (naming the rank and bucket) on
+        # failure, CommunicationTimeout past the watchdog's timeout.
+        handle.wait()
+        t1 = time.perf_counter()
+        self.stats.record(handle, t1 - t0)
+        self._trace(bucket, handle, t0, t1)
+        self.operation.finish(bucket, self.size)
+        bucket.finalized = True
+
+    def _trace(self, bucket, handle, t0, t1):
+        tl = self.timeline
+        if not tl.enabled:
+            return
+        tl.span('wait bucket {}'.format(bucket.index), 'wait', t0, t1)
+        # One span per piece the engine reduced (chunks of buckets
+        # interleave under the priority engine).
+        spans = handle.spans or [(handle.started_at, handle.finished_at)]
+        for i, (a, b) in enumerate(spans):
+            if a is None or b is None:
+                continue
+            tl.span('allreduce bucket {}{}'.format(
+                bucket.index, '' if len(spans) == 1 else
+                ' chunk {}/{}'.format(i + 1, len(spans))), 'comm',
+                a, b, tid=tl.COMM,
+                args={'label': handle.label, 'bytes': handle.nbytes})
+
+    @staticmethod
+    def mean_grad(info):
+        """The parameter's mean gradient (a view of the bucket if possible)."""
+        g = info.bucket.slot(info.index).reshape(info.param.shape)
+        if g.dtype != info.param.dtype:
+            g = g.astype(info.param.dtype)
+        return g
+
+    def drain(self):
+        """Waits for every in-flight bucket and forgets its result."""
+        for bucket in self.buckets:
+            if bucket.handle is not None:
+                bucket.handle.wait()
+                bucket.handle = None
+
+    def next_iteration(self):
+        for bucket in self.buckets:
+            bucket.n_ready = 0
+            bucket.posted = False
+        self.next_post = 0
