@@ -58,7 +58,7 @@ bench-deps: venv
 	    $(PY) -m pip install -q matplotlib
 
 bench: bench-deps
-	$(PY) benchmarks/overlap_bench.py $(BENCH_ARGS)
+	$(PY) -m benchmarks.overlap_bench $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) .mpi-logs build *.egg-info
@@ -72,4 +72,4 @@ SPATIAL_ARGS ?=
 bench-spatial: venv
 	@$(PY) -c 'import matplotlib' 2>/dev/null || \
 	    $(PY) -m pip install -q matplotlib
-	$(PY) benchmarks/spatial_bench.py $(SPATIAL_ARGS)
+	$(PY) -m benchmarks.spatial_bench $(SPATIAL_ARGS)

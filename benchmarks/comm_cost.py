@@ -2,7 +2,7 @@
 
 Run (as root: it builds the network test bed of ``benchmarks/netbed.py``)::
 
-    python benchmarks/comm_cost.py --rate 741mbit
+    python -m benchmarks.comm_cost --rate 741mbit
 
 Two ranks, each pinned to one core with one BLAS thread, as in
 ``overlap_bench.py``.  Each rank times a fixed compute loop (a small
@@ -28,11 +28,13 @@ import sys
 import threading
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
+# Run as a file (not with -m), sys.path starts with benchmarks/ instead of
+# the repository root that holds the package: add the root.
+if not __package__:
+    sys.path.insert(0, os.path.abspath(os.path.join(__file__, '..', '..')))
 
-import netbed  # NOQA
-from overlap_bench import machine_description  # NOQA
+from benchmarks import launch, netbed  # noqa: E402
+from benchmarks.machine import machine_description  # noqa: E402
 
 RESULT_TAG = 'COMM_COST_RESULT '
 
@@ -120,8 +122,7 @@ def worker(cfg):
             stats.clear()
     every = world.gather(rows, root=0)
     if world.Get_rank() == 0:
-        sys.stdout.write(RESULT_TAG + json.dumps(every) + '\n')
-        sys.stdout.flush()
+        launch.emit_result(RESULT_TAG, every)
 
 
 def summarize(per_rank):
@@ -144,16 +145,14 @@ def summarize(per_rank):
 
 
 def main(argv=None):
-    argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ['--worker']:
-        worker(json.loads(argv[1]))
+    if launch.dispatch_worker(argv, worker):
         return 0
     p = argparse.ArgumentParser(description=__doc__.split('\n')[0])
     p.add_argument('--rate', default='741mbit')
     p.add_argument('--steps', type=int, default=40,
                    help='compute steps per measurement')
     p.add_argument('--rounds', type=int, default=4)
-    p.add_argument('--out', default=os.path.join(HERE, 'results',
+    p.add_argument('--out', default=os.path.join(launch.RESULTS,
                                                  'comm_cost.json'))
     args = p.parse_args(argv)
     netbed.require_root()
@@ -162,16 +161,13 @@ def main(argv=None):
            'message_bytes': 4 * 2 ** 20}
     with netbed.NetBed(2, args.rate) as bed:
         record = bed.describe()
-        res = bed.run_mpi([sys.executable, os.path.abspath(__file__),
-                           '--worker', json.dumps(cfg)], timeout=900,
-                          env={'OMP_NUM_THREADS': '1',
-                               'OPENBLAS_NUM_THREADS': '1'})
+        res = bed.run_mpi(
+            launch.worker_command('benchmarks.comm_cost', cfg), timeout=900,
+            env=launch.worker_env())
     if res['returncode'] != 0:
         raise SystemExit('the job failed (exit {}):\n{}\n{}'.format(
             res['returncode'], res['stdout'][-3000:], res['stderr'][-3000:]))
-    line = [ln for ln in res['stdout'].splitlines()
-            if ln.startswith(RESULT_TAG)][-1]
-    per_rank = json.loads(line[len(RESULT_TAG):])
+    per_rank = launch.read_result(res['stdout'], RESULT_TAG, 'comm_cost')
     summary = summarize(per_rank)
     result = {
         'benchmark': 'compute slowdown while the link carries allreduces',

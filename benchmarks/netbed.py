@@ -2,8 +2,8 @@
 
 Run (as root)::
 
-    python benchmarks/netbed.py --ranks 2 --rate 400mbit --probe
-    python benchmarks/netbed.py --ranks 2 --rate 400mbit [--delay 0.2ms] \\
+    python -m benchmarks.netbed --ranks 2 --rate 400mbit --probe
+    python -m benchmarks.netbed --ranks 2 --rate 400mbit [--delay 0.2ms] \\
         [--timeout 600] [--record bed.json] -- python my_mpi_script.py ARGS
 
 Each rank runs in a Linux network namespace of its own, so MPICH sees
@@ -45,14 +45,22 @@ import subprocess
 import sys
 import time
 
+# Run as a file (not with -m), sys.path starts with benchmarks/ instead of
+# the repository root that holds the package: add the root.
+if not __package__:
+    sys.path.insert(0, os.path.abspath(os.path.join(__file__, '..', '..')))
+
+from benchmarks import launch  # noqa: E402
+
 PREFIX = 'cmo'
 SUBNET = '10.213.0'
 # Environment for MPICH to talk TCP between namespaces.  The PyPI MPICH
 # (ch4 with the ucx and ofi netmods) picks UCX; UCX would use shared memory
 # or cross-memory attach between processes of one kernel, and its ofi netmod
 # fails to enable a tcp endpoint here ("ep_enable failed"), so: UCX, TCP
-# transport only, on the namespace's one routable interface.
-MPI_ENV = {
+# transport only, on the namespace's one routable interface.  Ranks run one
+# BLAS thread each (launch.BLAS_ENV): they are pinned to a core each.
+MPI_ENV = dict({
     'MPIR_CVAR_CH4_NETMOD': 'ucx',
     # Ranks are on the same kernel: without this MPICH's own shared-memory
     # path would carry the traffic and never touch the shaped link.
@@ -70,10 +78,7 @@ MPI_ENV = {
     'UCX_TCP_TX_SEG_SIZE': '1m',
     'UCX_TCP_RX_SEG_SIZE': '1m',
     'FI_PROVIDER': 'tcp',
-    'OMP_NUM_THREADS': '1',
-    'OPENBLAS_NUM_THREADS': '1',
-    'MKL_NUM_THREADS': '1',
-}
+}, **launch.BLAS_ENV)
 
 
 class NetBedError(RuntimeError):
@@ -468,9 +473,10 @@ def _eth0_address():
 
 def probe(bed, nbytes=8 * 2 ** 20, repeats=3, timeout=120):
     """Runs the allreduce probe on ``bed``; returns its JSON record."""
-    res = bed.run_mpi([sys.executable, os.path.abspath(__file__),
-                       '--probe-worker', str(nbytes), str(repeats)],
-                      timeout=timeout)
+    res = bed.run_mpi(launch.module_command('benchmarks.netbed',
+                                            '--probe-worker', nbytes,
+                                            repeats),
+                      timeout=timeout, env=launch.worker_env())
     if res['returncode'] != 0:
         raise NetBedError('the allreduce probe failed (exit {}):\n{}\n{}'
                           .format(res['returncode'], res['stdout'][-3000:],

@@ -1,6 +1,9 @@
 """Per-iteration overhead of the overlapped optimizer at one rank.
 
-Run:  python benchmarks/overhead.py [--arch resnet_small|resnet50] [--iterations N]
+Run::
+
+    python -m benchmarks.overhead [--arch resnet_small|resnet50] \\
+        [--iterations N]
 
 One process, no communication to hide: this isolates what the wrapper itself
 costs (taps, hooks, packing, the communication thread) against the plain
@@ -20,18 +23,15 @@ import chainer.functions as F
 import chainermn
 import numpy as np
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, '..', 'examples', 'imagenet'))
+import chainermn_overlap
 
-import chainermn_overlap  # NOQA
-from models import resnet50, resnet_small  # NOQA
+# Run as a file (not with -m), sys.path starts with benchmarks/ instead of
+# the repository root that holds the package: add the root.
+if not __package__:
+    sys.path.insert(0, os.path.abspath(os.path.join(__file__, '..', '..')))
 
-
-def build(arch, seed):
-    np.random.seed(seed)
-    if arch == 'resnet50':
-        return resnet50.ResNet50()
-    return resnet_small.ResNetSmall()
+from benchmarks import launch  # noqa: E402
+from benchmarks.workloads import build_model, synthetic_batch  # noqa: E402
 
 
 def main():
@@ -41,16 +41,14 @@ def main():
     p.add_argument('--insize', type=int, default=64)
     p.add_argument('--iterations', type=int, default=9)
     p.add_argument('--rounds', type=int, default=5)
-    p.add_argument('--out', default=os.path.join(HERE, 'results',
+    p.add_argument('--out', default=os.path.join(launch.RESULTS,
                                                  'overhead.json'))
     args = p.parse_args()
     comm = chainermn.create_communicator('naive')
     if comm.size != 1:
         raise SystemExit('run this benchmark on one rank')
-    rng = np.random.RandomState(0)
-    x = rng.rand(args.batchsize, 3, args.insize, args.insize).astype(
-        np.float32)
-    t = rng.randint(0, 1000, args.batchsize).astype(np.int32)
+    x, t = synthetic_batch(np.random.RandomState(0), args.batchsize,
+                           args.insize)
 
     def lossfun(model):
         return lambda: F.softmax_cross_entropy(model(x), t)
@@ -77,7 +75,7 @@ def main():
         order = names[r % len(names):] + names[:r % len(names)]
         for name in order:
             make = variants[name]
-            model = build(args.arch, 0)
+            model = build_model(args.arch, 0)
             opt = make(chainer.optimizers.MomentumSGD(0.01))
             opt.setup(model)
             fn = lossfun(model)

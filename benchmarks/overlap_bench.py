@@ -1,11 +1,12 @@
 """Scalability of blocking, double-buffered and overlapped reduction.
 
-Run (as root; ``make bench`` does the set-up and runs the default)::
+Run (as root, from the repository root; ``make bench`` does the set-up and
+runs the default)::
 
-    python benchmarks/overlap_bench.py                 # calibrated + sweep
-    python benchmarks/overlap_bench.py --quick --model resnet_small
-    python benchmarks/overlap_bench.py --sweep         # more link rates
-    python benchmarks/overlap_bench.py --emulate       # emulation only
+    python -m benchmarks.overlap_bench                 # calibrated + sweep
+    python -m benchmarks.overlap_bench --quick --model resnet_small
+    python -m benchmarks.overlap_bench --sweep         # more link rates
+    python -m benchmarks.overlap_bench --emulate       # emulation only
 
 One invocation measures, for the same model, batch, link and iterations:
 
@@ -38,19 +39,19 @@ import argparse
 import inspect
 import json
 import os
-import platform
 import statistics
-import subprocess
 import sys
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
-RESULTS = os.path.join(HERE, 'results')
-sys.path.insert(0, HERE)
-sys.path.insert(0, os.path.join(ROOT, 'examples', 'imagenet'))
+# Run as a file (not with -m), sys.path starts with benchmarks/ instead of
+# the repository root that holds the package: add the root.
+if not __package__:
+    sys.path.insert(0, os.path.abspath(os.path.join(__file__, '..', '..')))
 
-import netbed  # NOQA
+from benchmarks import launch, machine, netbed  # noqa: E402
+from benchmarks.launch import RESULTS, ROOT  # noqa: E402
+
+MODULE = 'benchmarks.overlap_bench'
 
 MODES = ['alone', 'blocking', 'double_buffering', 'overlap_update',
          'overlap_forward']
@@ -67,21 +68,10 @@ TARGET_BLOCKING = (0.60, 0.72)
 TARGET_CENTER = ANCHOR['blocking_scalability']
 TARGET_TOLERANCE = 0.025
 RESULT_TAG = 'OVERLAP_BENCH_RESULT '
-BLAS_ENV = {'OMP_NUM_THREADS': '1', 'OPENBLAS_NUM_THREADS': '1',
-            'MKL_NUM_THREADS': '1'}
 
 
 # ----------------------------------------------------------------------------
 # Worker: runs inside every rank (or alone for the emulation).
-
-def _build(model_name, seed=0):
-    import numpy as np
-    from models import resnet50, resnet_small
-    np.random.seed(seed)
-    if model_name == 'resnet50':
-        return resnet50.ResNet50()
-    return resnet_small.ResNetSmall()
-
 
 def _make_optimizer(mode, comm, cfg):
     import chainer
@@ -120,7 +110,8 @@ def _make_optimizer(mode, comm, cfg):
 def _run_mode(mode, comm, cfg, x, t, iterations):
     """One fresh model and optimizer: warm-up, then timed iterations."""
     import chainer.functions as F
-    model = _build(cfg['model'])
+    from benchmarks import workloads
+    model = workloads.build_model(cfg['model'])
     opt = _make_optimizer(mode, comm, cfg)
     opt.setup(model)
 
@@ -173,11 +164,10 @@ def worker(cfg):
     """
     import numpy as np
     import chainermn
+    from benchmarks import workloads
     comm = chainermn.create_communicator('naive')
     rng = np.random.RandomState(1 + comm.rank)
-    x = rng.rand(cfg['batch'], 3, cfg['insize'], cfg['insize']).astype(
-        np.float32)
-    t = rng.randint(0, 1000, cfg['batch']).astype(np.int32)
+    x, t = workloads.synthetic_batch(rng, cfg['batch'], cfg['insize'])
     rounds = max(1, min(cfg.get('rounds', 1), cfg['iterations']))
     per_round = [cfg['iterations'] // rounds + (r < cfg['iterations'] % rounds)
                  for r in range(rounds)]
@@ -204,8 +194,7 @@ def worker(cfg):
                 'tail_seconds': a['tail'],
                 'communication_stats': a['stats']}
     if comm.rank == 0:
-        sys.stdout.write(RESULT_TAG + json.dumps(out) + '\n')
-        sys.stdout.flush()
+        launch.emit_result(RESULT_TAG, out)
 
 
 # ----------------------------------------------------------------------------
@@ -240,17 +229,12 @@ def _trace_supported():
         chainermn_overlap.create_overlapped_optimizer).parameters
 
 
-def _worker_cmd(cfg):
-    return [sys.executable, os.path.abspath(__file__), '--worker',
-            json.dumps(cfg)]
-
-
-def _parse_result(stdout, what):
-    for line in reversed(stdout.splitlines()):
-        if line.startswith(RESULT_TAG):
-            return json.loads(line[len(RESULT_TAG):])
-    raise RuntimeError('{}: the benchmark workers printed no result; their '
-                       'output ends with:\n{}'.format(what, stdout[-3000:]))
+def _summaries(raw):
+    """:func:`summarize` of each mode, with its communication statistics."""
+    summary = {m: summarize(r) for m, r in raw['modes'].items()}
+    for m, r in raw['modes'].items():
+        summary[m]['communication_stats'] = r['communication_stats']
+    return summary
 
 
 def _expected_seconds(cfg, t_compute, modes_factor=2.5):
@@ -271,16 +255,16 @@ def run_bed(rate, cfg, t_compute, log):
             'iterations each; limit {:.0f} s)'.format(
                 rate / 1e6, ', '.join(cfg['modes']), cfg['warmup'],
                 cfg['iterations'], timeout))
-        res = bed.run_mpi(_worker_cmd(cfg), timeout=timeout, env=BLAS_ENV)
+        res = bed.run_mpi(launch.worker_command(MODULE, cfg),
+                          timeout=timeout, env=launch.worker_env())
     if res['returncode'] != 0:
         raise RuntimeError(
             'benchmark job at {:.0f} Mbit/s failed (exit {}).\nstdout:\n{}\n'
             'stderr:\n{}'.format(rate / 1e6, res['returncode'],
                                  res['stdout'][-3000:], res['stderr'][-3000:]))
-    raw = _parse_result(res['stdout'], 'link {:.1f} Mbit/s'.format(rate / 1e6))
-    summary = {m: summarize(r) for m, r in raw['modes'].items()}
-    for m, r in raw['modes'].items():
-        summary[m]['communication_stats'] = r['communication_stats']
+    raw = launch.read_result(res['stdout'], RESULT_TAG,
+                             'link {:.1f} Mbit/s'.format(rate / 1e6))
+    summary = _summaries(raw)
     if 'alone' in summary:
         add_scalability(summary)
     return {'rate_bit_per_s': rate, 'bed': record, 'modes': summary,
@@ -293,20 +277,15 @@ def run_bed(rate, cfg, t_compute, log):
 def measure_alone(cfg, iterations=3, warmup=1):
     """Compute time per iteration of one pinned process (for a first guess)."""
     c = dict(cfg, modes=['alone'], iterations=iterations, warmup=warmup)
-    env = dict(os.environ, **BLAS_ENV)
-    cmd = ['taskset', '-c', '0'] + _worker_cmd(c)
-    proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE,
-                          stderr=subprocess.PIPE, universal_newlines=True,
-                          timeout=600)
-    if proc.returncode != 0:
-        raise RuntimeError('timing one rank alone failed (exit {}):\n{}'
-                           .format(proc.returncode, proc.stderr[-3000:]))
-    raw = _parse_result(proc.stdout, 'one rank alone')
+    stdout = launch.run_pinned(launch.worker_command(MODULE, c),
+                               'timing one rank alone', timeout=600)
+    raw = launch.read_result(stdout, RESULT_TAG, 'one rank alone')
     return statistics.median(raw['modes']['alone']['iteration_seconds'])
 
 
 def gradient_bytes(model_name):
-    model = _build(model_name)
+    from benchmarks import workloads
+    model = workloads.build_model(model_name)
     return sum(p.array.nbytes for p in model.params())
 
 
@@ -476,20 +455,12 @@ def run_emulation(cfg, t_compute, nbytes, log):
     settings = emulation_settings(t_compute, nbytes)
     log('EMULATION: ' + settings['explanation'])
     c = dict(cfg, emulation=settings)
-    env = dict(os.environ, **BLAS_ENV)
-    cmd = ['taskset', '-c', '0'] + _worker_cmd(c)
-    timeout = 2 * _expected_seconds(c, t_compute)
     t0 = time.time()
-    proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE,
-                          stderr=subprocess.PIPE, universal_newlines=True,
-                          timeout=timeout)
-    if proc.returncode != 0:
-        raise RuntimeError('the emulation run failed (exit {}):\n{}'.format(
-            proc.returncode, proc.stderr[-3000:]))
-    raw = _parse_result(proc.stdout, 'emulation')
-    summary = {m: summarize(r) for m, r in raw['modes'].items()}
-    for m, r in raw['modes'].items():
-        summary[m]['communication_stats'] = r['communication_stats']
+    stdout = launch.run_pinned(launch.worker_command(MODULE, c),
+                               'the emulation run',
+                               timeout=2 * _expected_seconds(c, t_compute))
+    raw = launch.read_result(stdout, RESULT_TAG, 'emulation')
+    summary = _summaries(raw)
     add_scalability(summary)
     return {'emulation': settings, 'label': settings['label'],
             'modes': summary, 'seconds': time.time() - t0,
@@ -497,47 +468,20 @@ def run_emulation(cfg, t_compute, nbytes, log):
 
 
 def run_overhead(log, quick):
-    """The 1-rank overhead check (benchmarks/overhead.py), pinned to core 0.
+    """The 1-rank overhead check (benchmarks.overhead), pinned to core 0.
 
     Always on the small model: a fixed per-iteration cost of the wrapper
     weighs most there, so it is the stricter test of the 2 % budget.
     """
     out = os.path.join(RESULTS, 'overhead.json')
-    cmd = ['taskset', '-c', '0', sys.executable,
-           os.path.join(HERE, 'overhead.py'), '--arch', 'resnet_small',
-           '--out', out]
+    cmd = launch.module_command('benchmarks.overhead', '--arch',
+                                'resnet_small', '--out', out)
     if quick:
         cmd += ['--iterations', '6', '--rounds', '2']
-    log('overhead at one rank: ' + ' '.join(cmd[3:]))
-    env = dict(os.environ, **BLAS_ENV)
-    proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE,
-                          stderr=subprocess.PIPE, universal_newlines=True,
-                          timeout=1800)
-    if proc.returncode != 0:
-        raise RuntimeError('overhead.py failed (exit {}):\n{}'.format(
-            proc.returncode, proc.stderr[-3000:]))
+    log('overhead at one rank: ' + ' '.join(cmd[1:]))
+    launch.run_pinned(cmd, 'benchmarks.overhead', timeout=1800)
     with open(out) as f:
         return json.load(f)
-
-
-def machine_description():
-    cpu = ''
-    try:
-        with open('/proc/cpuinfo') as f:
-            for line in f:
-                if line.startswith('model name'):
-                    cpu = line.split(':', 1)[1].strip()
-                    break
-    except OSError:
-        pass
-    import chainer
-    import numpy
-    from mpi4py import MPI
-    return {'platform': platform.platform(), 'cpu': cpu,
-            'cores': os.cpu_count(), 'python': platform.python_version(),
-            'chainer': chainer.__version__, 'numpy': numpy.__version__,
-            'mpi': MPI.Get_library_version().splitlines()[0].strip(),
-            'loadavg_at_start': os.getloadavg()}
 
 
 def plot(result, path):
@@ -629,9 +573,7 @@ def checks(result):
 
 
 def main(argv=None):
-    argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ['--worker']:
-        worker(json.loads(argv[1]))
+    if launch.dispatch_worker(argv, worker):
         return 0
     p = argparse.ArgumentParser(description=__doc__.split('\n')[0])
     p.add_argument('--model', choices=('resnet50', 'resnet_small'),
@@ -705,7 +647,7 @@ def main(argv=None):
         'scalability_definition': 'it/s with N ranks / it/s of one rank '
                                   'alone (median iteration times after '
                                   'warm-up; min/max from the spread)',
-        'config': cfg, 'machine': machine_description(),
+        'config': cfg, 'machine': machine.machine_description(),
         'note': 'measured while other work may run on this machine: see '
                 'loadavg fields; rerun on a quiet machine for final figures',
     }
@@ -806,6 +748,7 @@ def _finish(result, args, t_start, log):
     if left:
         raise RuntimeError('namespaces left behind: {}'.format(left))
     return 0
+
 
 if __name__ == '__main__':
     sys.exit(main())

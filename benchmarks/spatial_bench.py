@@ -2,7 +2,7 @@
 
 Run (what ``make bench-spatial`` does)::
 
-    .venv/bin/python benchmarks/spatial_bench.py [--insize 512] [--np 1,2,4]
+    .venv/bin/python -m benchmarks.spatial_bench [--insize 512] [--np 1,2,4]
 
 Model: a conv stack (3x3 convolutions with global batch norm and ReLU, a
 strided convolution, global pooling), the image split over a (P, 1) grid,
@@ -36,7 +36,7 @@ need, TCP retransmissions, tail-loss probes and timeouts, qdisc drops),
 recorded under the key ``halo_netbed`` of the results file (the other keys
 are kept; the plot is redrawn)::
 
-    .venv/bin/python benchmarks/spatial_bench.py --netbed 400mbit,50mbit
+    .venv/bin/python -m benchmarks.spatial_bench --netbed 400mbit,50mbit
 
 Results go to ``benchmarks/results/spatial.json`` and a plot to
 ``benchmarks/results/spatial.png``. This machine has 2 cores: P = 4
@@ -52,8 +52,14 @@ import sys
 import time
 import tracemalloc
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
+# Run as a file (not with -m), sys.path starts with benchmarks/ instead of
+# the repository root that holds the package: add the root.
+if not __package__:
+    sys.path.insert(0, os.path.abspath(os.path.join(__file__, '..', '..')))
+
+from benchmarks import launch  # noqa: E402
+
+RESULT_TAG = 'RESULT '
 
 
 def _model(grid, ch, serial):
@@ -239,27 +245,31 @@ def halo_worker(args):
            'halo': _halo_modes(grid, dist, x_local, comm.mpi_comm,
                                args.rounds, link=_link_counters)}
     if comm.rank == 0:
-        print('RESULT ' + json.dumps(out), flush=True)
+        launch.emit_result(RESULT_TAG, out)
+
+
+def _worker_cmd(args, scaling):
+    """This module's worker for ``scaling`` ('strong', 'weak' or 'halo')."""
+    return launch.module_command(
+        'benchmarks.spatial_bench', '--worker', '--scaling', scaling,
+        '--insize', args.insize, '--batchsize', args.batchsize,
+        '--channels', args.channels, '--rounds', args.rounds)
 
 
 def _netbed_run(args, rate):
     """Runs :func:`halo_worker` on 2 ranks over a link of ``rate``."""
-    import netbed
-    cmd = [sys.executable, os.path.abspath(__file__), '--worker',
-           '--scaling', 'halo', '--insize', str(args.insize), '--batchsize',
-           str(args.batchsize), '--channels', str(args.channels),
-           '--rounds', str(args.rounds)]
+    from benchmarks import netbed
     with netbed.NetBed(2, rate) as bed:
         desc = bed.describe()
-        res = bed.run_mpi(cmd, timeout=args.netbed_timeout)
-    lines = [ln for ln in (res['stdout'] or '').splitlines()
-             if ln.startswith('RESULT ')]
-    if res['returncode'] or not lines:
+        res = bed.run_mpi(_worker_cmd(args, 'halo'),
+                          timeout=args.netbed_timeout,
+                          env=launch.worker_env())
+    run = launch.find_result(res['stdout'], RESULT_TAG)
+    if res['returncode'] or run is None:
         sys.stderr.write((res['stdout'] or '')[-3000:]
                          + (res['stderr'] or '')[-3000:])
         raise SystemExit('spatial_bench: the shaped-link halo run at %s '
                          'failed (exit %s)' % (rate, res['returncode']))
-    run = json.loads(lines[-1][len('RESULT '):])
     for mode in run['halo'].values():
         # Seconds the shaped link needs for one step's traffic (both ranks
         # send alike): above the step's compute time, waits cannot hide.
@@ -280,8 +290,7 @@ def _netbed_run(args, rate):
 
 def run_netbed(args):
     """The halo settings over the shaped link, one bed per rate."""
-    sys.path.insert(0, HERE)
-    import netbed
+    from benchmarks import netbed
     netbed.require_root()
     runs = [_netbed_run(args, rate.strip())
             for rate in args.netbed.split(',')]
@@ -407,7 +416,7 @@ def worker(args):
         out['halo'] = _halo_modes(grid, dist, x_local, mpi, args.rounds)
     if weak:
         if comm.rank == 0:
-            print('RESULT ' + json.dumps(out), flush=True)
+            launch.emit_result(RESULT_TAG, out)
         return
     peak, held = _memory(dist, x_local)
     peaks = mpi.gather(peak)
@@ -420,25 +429,20 @@ def worker(args):
             'max_held_after_forward_per_process': max(helds),
             'peak_ratio_vs_serial': max(peaks) / s_peak,
             'held_ratio_vs_serial': max(helds) / s_held}
-        print('RESULT ' + json.dumps(out), flush=True)
+        launch.emit_result(RESULT_TAG, out)
 
 
 def _run(args, n, scaling):
     mpiexec = os.path.join(os.path.dirname(sys.executable), 'mpiexec')
-    env = dict(os.environ, OMP_NUM_THREADS='1', OPENBLAS_NUM_THREADS='1',
-               MKL_NUM_THREADS='1')
-    cmd = [mpiexec, '-n', str(n), sys.executable, os.path.abspath(__file__),
-           '--worker', '--scaling', scaling, '--insize', str(args.insize),
-           '--batchsize', str(args.batchsize), '--channels',
-           str(args.channels), '--rounds', str(args.rounds)]
-    res = subprocess.run(cmd, env=env, capture_output=True, text=True,
-                         cwd=ROOT, timeout=1800)
-    lines = [ln for ln in res.stdout.splitlines() if ln.startswith('RESULT ')]
-    if res.returncode or not lines:
+    cmd = [mpiexec, '-n', str(n)] + _worker_cmd(args, scaling)
+    res = subprocess.run(cmd, env=dict(os.environ, **launch.worker_env()),
+                         capture_output=True, text=True, cwd=launch.ROOT,
+                         timeout=1800)
+    run = launch.find_result(res.stdout, RESULT_TAG)
+    if res.returncode or run is None:
         sys.stderr.write(res.stdout[-3000:] + res.stderr[-3000:])
         raise SystemExit('spatial_bench: the %s-scaling run at -n %d failed'
                          % (scaling, n))
-    run = json.loads(lines[-1][len('RESULT '):])
     cores = os.cpu_count()
     run['label'] = ('oversubscribed: %d processes on %d cores' % (n, cores)
                     if n > cores else 'noisy: shared %d-core machine' % cores)
@@ -543,7 +547,7 @@ def main():
     p.add_argument('--np', default='1,2,4')
     p.add_argument('--weak-insize', type=int, default=256,
                    help='block size per process for weak scaling')
-    p.add_argument('--out', default=os.path.join(HERE, 'results',
+    p.add_argument('--out', default=os.path.join(launch.RESULTS,
                                                  'spatial.json'))
     p.add_argument('--plot-only', action='store_true',
                    help='redraw the PNG from an existing --out JSON')

@@ -2,8 +2,8 @@
 
 Run::
 
-    .venv/bin/python benchmarks/spatial_profile.py                  # 1 process
-    .venv/bin/mpiexec -n 4 .venv/bin/python benchmarks/spatial_profile.py \
+    .venv/bin/python -m benchmarks.spatial_profile                  # 1 process
+    .venv/bin/mpiexec -n 4 .venv/bin/python -m benchmarks.spatial_profile \
         --grid 2,2 [--overlap 0|1] [--check cached|always] [--cprofile]
 
 Runs a conv-BN-ReLU-pool stack on one synthetic batch for a few steps and

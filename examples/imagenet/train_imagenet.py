@@ -41,9 +41,13 @@ from chainer.training import extensions
 import chainermn
 import numpy as np
 
-# ``models`` is the package beside this file: Python puts a script's own
-# directory on sys.path, and whoever imports this module (the tests) adds it.
-from models import ARCHS
+# ``models`` is the package beside this file.  Imported as
+# ``examples.imagenet.train_imagenet`` it is a subpackage; run as a script,
+# Python has put this file's directory on sys.path, where it is top-level.
+if __package__:
+    from .models import ARCHS
+else:
+    from models import ARCHS
 
 IMAGENET_CLASSES = 1000
 # Per-channel mean of ImageNet in RGB order (PIL's order), on a 0-255 scale;

@@ -5,19 +5,13 @@ calls the example's ``main`` together, as ``mpiexec ... train_imagenet.py``
 would.  Each run is a few iterations of the small ResNet at 32x32.
 """
 import os
-import sys
 import tempfile
 
 import numpy as np
 import pytest
 from mpi4py import MPI
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(
-    os.path.abspath(__file__))))
-EXAMPLE_DIR = os.path.join(ROOT, 'examples', 'imagenet')
-if EXAMPLE_DIR not in sys.path:
-    sys.path.insert(0, EXAMPLE_DIR)
-import train_imagenet  # noqa: E402  (needs the path above)
+from examples.imagenet import train_imagenet
 
 # A large learning rate makes a stale or missing update visible in the
 # parameters after these few steps.

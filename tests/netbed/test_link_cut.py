@@ -13,15 +13,13 @@ import sys
 import threading
 import time
 
-import pytest
+from benchmarks import netbed
+# tests/netbed has no __init__.py: pytest puts it on sys.path (rootdir-based
+# "prepend" import mode) and imports test_netbed under this name.
+from test_netbed import needs_root
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
-sys.path.insert(0, HERE)
-sys.path.insert(0, os.path.join(ROOT, 'benchmarks'))
-
-import netbed  # NOQA
-from test_netbed import needs_root  # NOQA
 
 JOB = os.path.join(ROOT, 'tests', 'unit', 'fault_job.py')
 

@@ -13,13 +13,12 @@ import time
 
 import pytest
 
+from benchmarks import netbed
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(
     os.path.abspath(__file__))))
-sys.path.insert(0, os.path.join(ROOT, 'benchmarks'))
-
-import netbed  # NOQA
-
 NETBED = os.path.join(ROOT, 'benchmarks', 'netbed.py')
+
 
 def _missing_capability():
     """Why this machine cannot host a bed, or None.

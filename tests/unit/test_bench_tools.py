@@ -1,15 +1,10 @@
 """Pure helpers of the benchmarks (no root, no MPI)."""
 import os
-import sys
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(
-    os.path.abspath(__file__))))
-sys.path.insert(0, os.path.join(ROOT, 'benchmarks'))
-
-import netbed  # NOQA
-import overlap_bench as ob  # NOQA
+from benchmarks import netbed
+from benchmarks import overlap_bench as ob
 
 
 def test_parse_rate():

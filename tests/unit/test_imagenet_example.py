@@ -1,17 +1,9 @@
 """Unit tests of the ImageNet example's data and timing helpers (no MPI)."""
-import os
-import sys
-
 import numpy as np
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(
-    os.path.abspath(__file__))))
-EXAMPLE_DIR = os.path.join(ROOT, 'examples', 'imagenet')
-if EXAMPLE_DIR not in sys.path:
-    sys.path.insert(0, EXAMPLE_DIR)
-import train_imagenet  # noqa: E402  (needs the path above)
-from models import ARCHS  # noqa: E402
+from examples.imagenet import train_imagenet
+from examples.imagenet.models import ARCHS
 
 
 def test_synthetic_data_is_fixed_by_seed_and_index():

@@ -1,6 +1,6 @@
 """The ImageNet example's networks, registered by ``--arch`` name."""
-from models.resnet50 import ResNet50
-from models.resnet_small import ResNetSmall
+from .resnet50 import ResNet50
+from .resnet_small import ResNetSmall
 
 # A registry rather than an if/elif chain, so that adding an architecture is
 # one line here and ``--arch`` lists it automatically.

@@ -1,0 +1,1 @@
+"""Data-parallel ImageNet training: ``train_imagenet`` and its ``models``."""

@@ -1,0 +1,1 @@
+"""Spatially partitioned training examples (each script self-contained)."""
