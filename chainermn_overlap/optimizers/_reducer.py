@@ -97,10 +97,14 @@ class BucketReducer(object):
         before_first_post (callable): called before every post; the first
             call of an iteration posts the control message.
         operation (BucketOperation): default :class:`MeanAllreduce`.
+        stats (CommunicationStats): where to count (default: a new one).
+        control (bool): whether each iteration's round of collectives also
+            holds a control message (item 0, posted by ``before_first_post``).
     """
 
     def __init__(self, engine, size, wait, timeline, before_reuse,
-                 before_first_post, operation=None):
+                 before_first_post, operation=None, stats=None,
+                 control=True):
         self.engine = engine
         self.size = size
         self.wait = wait
@@ -108,7 +112,8 @@ class BucketReducer(object):
         self.before_reuse = before_reuse
         self.before_first_post = before_first_post
         self.operation = operation or MeanAllreduce()
-        self.stats = CommunicationStats()
+        self.stats = stats if stats is not None else CommunicationStats()
+        self.first_item = 1 if control else 0
         self.buckets = []
         self.next_post = 0
 
@@ -148,14 +153,15 @@ class BucketReducer(object):
 
     def _post(self, bucket, iteration):
         self.before_first_post()
-        # Round items: 0 is the control message, bucket b is b + 1.  With
-        # wait='forward' the last bucket posted holds the first layers, which
-        # the next forward needs first.
+        # Round items: 0 is the control message, bucket b is b + 1 (without
+        # control message: b).  With wait='forward' the last bucket posted
+        # holds the first layers, which the next forward needs first.
         prio = bucket.index if self.wait == 'forward' else -bucket.index
+        first = self.first_item
         bucket.handle = self.operation.start(
             self.engine, bucket,
             label='{} of iteration {}'.format(bucket.label(), iteration),
-            slot=(iteration, bucket.index + 1, len(self.buckets) + 1),
+            slot=(iteration, bucket.index + first, len(self.buckets) + first),
             priority=prio)
         bucket.posted = True
         bucket.finalized = False

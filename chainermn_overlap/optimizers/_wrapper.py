@@ -1,4 +1,16 @@
-"""What every multi-node optimizer wrapper of this library shares."""
+"""What every multi-node optimizer wrapper of this library shares.
+
+The wrapper class (delegation to the actual optimizer, ``update(lossfun)``
+prologue), the checks of the arguments both factories take, and the
+construction of the progress engine with its watchdog options.
+"""
+import numpy
+
+import chainer
+import chainermn
+
+from chainermn_overlap.communication import backends
+from chainermn_overlap.communication import watchdog as watchdog_module
 
 
 class OptimizerWrapper(object):
@@ -10,7 +22,7 @@ class OptimizerWrapper(object):
 
     Args:
         state: the wrapper's state; must have ``actual`` (the wrapped
-            optimizer) and ``communicator``.
+            optimizer), ``communicator`` and ``target`` (the link set up).
     """
 
     def __init__(self, state):
@@ -31,3 +43,74 @@ class OptimizerWrapper(object):
 
     def __setattr__(self, name, value):
         setattr(self._state.actual, name, value)
+
+    def _backward(self, lossfun, args, kwds):
+        """``update()``'s prologue, exactly as ChainerMN's optimizers do it.
+
+        Checks that ``setup()`` ran, then (with ``lossfun``) computes the
+        loss, clears the gradients and runs backward.
+        """
+        st = self._state
+        if st.target is None:
+            raise RuntimeError(
+                'update() was called before setup(); call '
+                'optimizer.setup(model) first (on every rank).')
+        if lossfun is None:
+            return
+        use_cleargrads = getattr(st.actual, '_use_cleargrads', True)
+        loss = lossfun(*args, **kwds)
+        if use_cleargrads:
+            st.target.cleargrads()
+        else:
+            st.target.zerograds()
+        loss.backward(loss_scale=st.actual._loss_scale)
+        del loss
+
+
+def check_arguments(factory, actual_optimizer, communicator):
+    """The checks every factory makes, with errors that say the fix."""
+    if not isinstance(communicator,
+                      chainermn.communicators.CommunicatorBase):
+        raise TypeError(
+            '{} needs a ChainerMN communicator, e.g. '
+            'chainermn.create_communicator("naive"); got {}.'
+            .format(factory, type(communicator).__name__))
+    if getattr(communicator, 'mpi_comm', None) is None:
+        raise TypeError(
+            '{} has no mpi_comm; use an MPI-based ChainerMN communicator '
+            '(naive, flat, non_cuda_aware, pure_nccl).'
+            .format(type(communicator).__name__))
+    if not isinstance(actual_optimizer, chainer.Optimizer):
+        raise TypeError(
+            'actual_optimizer must be a chainer.Optimizer such as '
+            'chainer.optimizers.MomentumSGD(); got {}.'
+            .format(type(actual_optimizer).__name__))
+
+
+def check_wire_dtype(allreduce_grad_dtype):
+    """``allreduce_grad_dtype`` as a numpy dtype (None stays None)."""
+    if allreduce_grad_dtype is None:
+        return None
+    dt = numpy.dtype(allreduce_grad_dtype)
+    if dt not in (numpy.float16, numpy.float32, numpy.float64):
+        raise ValueError(
+            'allreduce_grad_dtype must be float16, float32 or float64, '
+            'got {}'.format(dt))
+    return dt
+
+
+def check_watch_options(timeout, stall_warning, debug):
+    """Validates the watchdog options now (a bad value fails at creation,
+    not at setup()); they are resolved with the environment by the engine.
+    """
+    watchdog_module.resolve_timeout(timeout)
+    watchdog_module.resolve_stall_warning(stall_warning)
+    return (timeout, stall_warning, debug)
+
+
+def make_engine(name, mpi_comm, options, watch_options):
+    """Starts the progress engine ``name`` with its watchdog options."""
+    engine = backends.get_backend(name)(mpi_comm, **options)
+    timeout, stall_warning, debug = watch_options
+    engine.configure(timeout, stall_warning, debug, mpi_comm=mpi_comm)
+    return engine

@@ -131,11 +131,9 @@ class _OverlapState(object):
 
     def attach(self, target):
         if self.engine is None:
-            self.engine = backends.get_backend(self.backend_name)(
-                self.mpi_comm, **self.backend_options)
-            timeout, stall_warning, debug = self.watch_options
-            self.engine.configure(timeout, stall_warning, debug,
-                                  mpi_comm=self.mpi_comm)
+            self.engine = _wrapper.make_engine(
+                self.backend_name, self.mpi_comm, self.backend_options,
+                self.watch_options)
             self.reducer.engine = self.engine
         self.target = target
         self._hook_links()
@@ -307,21 +305,8 @@ class _OverlappedOptimizer(_wrapper.OptimizerWrapper):
 
     def update(self, lossfun=None, *args, **kwds):
         """Like ``chainermn``'s multi-node optimizer's ``update``."""
-        st = self._overlap
-        if st.target is None:
-            raise RuntimeError(
-                'update() was called before setup(); call '
-                'optimizer.setup(model) first (on every rank).')
-        if lossfun is not None:
-            use_cleargrads = getattr(st.actual, '_use_cleargrads', True)
-            loss = lossfun(*args, **kwds)
-            if use_cleargrads:
-                st.target.cleargrads()
-            else:
-                st.target.zerograds()
-            loss.backward(loss_scale=st.actual._loss_scale)
-            del loss
-        st.close_iteration()
+        self._backward(lossfun, args, kwds)
+        self._overlap.close_iteration()
 
     def synchronize(self):
         """Finishes every pending reduction and applies pending updates.
@@ -447,34 +432,14 @@ def create_overlapped_optimizer(actual_optimizer, communicator,
         The wrapped optimizer.  Attribute access goes to the actual
         optimizer.
     """
-    if not isinstance(communicator,
-                      chainermn.communicators.CommunicatorBase):
-        raise TypeError(
-            'create_overlapped_optimizer needs a ChainerMN communicator, '
-            'e.g. chainermn.create_communicator("naive"); got {}.'
-            .format(type(communicator).__name__))
-    if getattr(communicator, 'mpi_comm', None) is None:
-        raise TypeError(
-            '{} has no mpi_comm; use an MPI-based ChainerMN communicator '
-            '(naive, flat, non_cuda_aware, pure_nccl).'
-            .format(type(communicator).__name__))
-    if not isinstance(actual_optimizer, chainer.Optimizer):
-        raise TypeError(
-            'actual_optimizer must be a chainer.Optimizer such as '
-            'chainer.optimizers.MomentumSGD(); got {}.'
-            .format(type(actual_optimizer).__name__))
+    _wrapper.check_arguments('create_overlapped_optimizer',
+                             actual_optimizer, communicator)
     if wait not in ('forward', 'update'):
         raise ValueError("wait must be 'forward' or 'update', got {!r}"
                          .format(wait))
     bucket_size = (DEFAULT_BUCKET_SIZE if bucket_size is None
                    else parse_size(bucket_size))
-    if allreduce_grad_dtype is not None:
-        dt = numpy.dtype(allreduce_grad_dtype)
-        if dt not in (numpy.float16, numpy.float32, numpy.float64):
-            raise ValueError(
-                'allreduce_grad_dtype must be float16, float32 or float64, '
-                'got {}'.format(dt))
-        allreduce_grad_dtype = dt
+    allreduce_grad_dtype = _wrapper.check_wire_dtype(allreduce_grad_dtype)
     backends.get_backend(backend)
     backend_options = {}
     if chunk_size is not None:
@@ -482,16 +447,14 @@ def create_overlapped_optimizer(actual_optimizer, communicator,
             raise ValueError("chunk_size applies to backend='mpi_priority' "
                              'only, not {!r}'.format(backend))
         backend_options['chunk_bytes'] = parse_size(chunk_size)
-    # Validated now, so that a bad value fails here rather than at setup();
-    # resolved (with the environment) by the engine.
-    watchdog_module.resolve_timeout(timeout)
-    watchdog_module.resolve_stall_warning(stall_warning)
+    watch_options = _wrapper.check_watch_options(timeout, stall_warning,
+                                                 debug)
     tl = (timeline_module.Timeline(str(timeline), communicator.rank)
           if timeline is not None else None)
     state = _OverlapState(actual_optimizer, communicator, wait, bucket_size,
                           zero_fill, allreduce_grad_dtype, backend,
                           backend_options, tl)
-    state.watch_options = (timeout, stall_warning, debug)
+    state.watch_options = watch_options
     if tl is not None:
         _TIMELINES.add(state)
     return _OverlappedOptimizer(state)
