@@ -7,6 +7,9 @@ setup(
                 'spatially partitioned convolution for Chainer/ChainerMN.',
     license='MIT',
     packages=find_packages(include=['chainermn_overlap', 'chainermn_overlap.*']),
+    # PEP 561: the package ships its type hints.
+    package_data={'chainermn_overlap': ['py.typed']},
+    zip_safe=False,
     python_requires='>=3.8',
     install_requires=['chainer==7.8.1', 'numpy<2', 'mpi4py>=4'],
     extras_require={

@@ -21,6 +21,20 @@ from chainermn_overlap.optimizers import DEFAULT_BUCKET_SIZE  # NOQA
 
 __version__ = '0.1.0'
 
+__all__ = [
+    'CollectiveMismatchError',
+    'CommunicationError',
+    'CommunicationTimeout',
+    'DEFAULT_BUCKET_SIZE',
+    'FallbackWarning',
+    'StallWarning',
+    'create_double_buffering_optimizer',
+    'create_overlapped_optimizer',
+    'disable_abort_on_exception',
+    'distconv',
+    'enable_abort_on_exception',
+]
+
 # CHAINERMN_OVERLAP_ABORT_ON_EXCEPTION=1 installs the abort hook at import.
 from chainermn_overlap import abort as _abort  # NOQA
 _abort._enable_from_environment()

@@ -1,5 +1,8 @@
 """Warning and error classes of the library."""
 
+__all__ = ['CollectiveMismatchError', 'CommunicationError',
+           'CommunicationTimeout', 'FallbackWarning', 'StallWarning']
+
 
 class FallbackWarning(UserWarning):
     """The requested overlap could not be used; a safe fallback is used.

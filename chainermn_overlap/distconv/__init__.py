@@ -131,3 +131,12 @@ from chainermn_overlap.distconv.redistribute import to_spatial_layout  # NOQA
 from chainermn_overlap.distconv import geometry  # NOQA
 from chainermn_overlap.distconv import tuner  # NOQA
 from chainermn_overlap.distconv.tuner import tune  # NOQA
+
+__all__ = [
+    'BatchNormalization', 'Convolution2D', 'ConvolutionND', 'RegionExchange',
+    'RegionExchangeAdjoint', 'SpatialGrid', 'average_pooling_2d',
+    'average_pooling_nd', 'batch_normalization', 'convolution_2d',
+    'convolution_nd', 'geometry', 'global_average_pooling', 'max_pooling_2d',
+    'max_pooling_nd', 'region_exchange', 'sample_share', 'to_sample_layout',
+    'to_spatial_layout', 'tune', 'tuner',
+]

@@ -1,5 +1,8 @@
 """The general region (halo) exchange and its adjoint, as FunctionNodes."""
+from __future__ import annotations
+
 import time
+from typing import TYPE_CHECKING, Tuple, Union
 
 import chainer
 from chainer import backend
@@ -9,6 +12,12 @@ import numpy
 
 from chainermn_overlap.distconv import _comm
 from chainermn_overlap.distconv import geometry
+
+if TYPE_CHECKING:
+    from chainer.types import NdArray
+    from chainermn_overlap.distconv.grid import SpatialGrid
+
+__all__ = ['RegionExchange', 'RegionExchangeAdjoint', 'region_exchange']
 
 
 def _sel(box, origin):
@@ -34,7 +43,8 @@ class RegionExchange(function_node.FunctionNode):
             pooling, -inf for max pooling). Padding carries no gradient.
     """
 
-    def __init__(self, grid, plan, fill=0):
+    def __init__(self, grid: SpatialGrid, plan: geometry.ExchangePlan,
+                 fill: float = 0) -> None:
         self.grid = grid
         self.plan = plan
         self.fill = fill
@@ -82,7 +92,8 @@ class RegionExchangeAdjoint(function_node.FunctionNode):
         x_shape (tuple): Shape of the forward input (this process's block).
     """
 
-    def __init__(self, grid, plan, x_shape):
+    def __init__(self, grid: SpatialGrid, plan: geometry.ExchangePlan,
+                 x_shape: Tuple[int, ...]) -> None:
         self.grid = grid
         self.plan = plan
         self.x_shape = x_shape
@@ -113,7 +124,9 @@ class RegionExchangeAdjoint(function_node.FunctionNode):
         return RegionExchange(self.grid, self.plan, 0).apply((gg,))
 
 
-def region_exchange(grid, x, plan, fill=0):
+def region_exchange(grid: SpatialGrid, x: Union[chainer.Variable, NdArray],
+                    plan: geometry.ExchangePlan,
+                    fill: float = 0) -> chainer.Variable:
     """Differentiable region exchange (see :class:`RegionExchange`).
 
     Args:

@@ -10,6 +10,10 @@ padding cells are materialised with the value Chainer pads with (0, or -inf
 for max pooling), every output cell is computed from exactly the same values,
 in the same window order, as on one process.
 """
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Optional, Sequence, Union
+
 import chainer
 from chainer import backend
 from chainer import function_node
@@ -19,6 +23,19 @@ import numpy
 from chainermn_overlap.distconv import _comm
 from chainermn_overlap.distconv import exchange
 from chainermn_overlap.distconv import geometry
+
+if TYPE_CHECKING:
+    from chainer.types import NdArray
+    from chainermn_overlap.distconv.grid import SpatialGrid
+
+    Input = Union[chainer.Variable, NdArray]
+    IntOrTuple = Union[int, Sequence[int]]
+
+__all__ = [
+    'average_pooling_2d', 'average_pooling_nd', 'convolution_2d',
+    'convolution_nd', 'global_average_pooling', 'max_pooling_2d',
+    'max_pooling_nd',
+]
 
 
 def _ntuple(value, ndim, what, layer, minimum):
@@ -182,8 +199,11 @@ def _check_grid_ndim(grid, ndim, layer):
             % (layer, ndim, grid.shape, grid.ndim, ndim))
 
 
-def convolution_nd(grid, x, W, b=None, stride=1, pad=0, cover_all=False,
-                   dilate=1, groups=1, _layer=None):
+def convolution_nd(grid: SpatialGrid, x: Input, W: Input,
+                   b: Optional[Input] = None, stride: IntOrTuple = 1,
+                   pad: IntOrTuple = 0, cover_all: bool = False,
+                   dilate: IntOrTuple = 1, groups: int = 1,
+                   _layer: Optional[str] = None) -> chainer.Variable:
     """Spatially distributed N-dimensional convolution.
 
     Mirrors :func:`chainer.functions.convolution_nd` with the grid first.
@@ -246,8 +266,11 @@ def convolution_nd(grid, x, W, b=None, stride=1, pad=0, cover_all=False,
                          cover_all, 0, op, c_out, params)
 
 
-def convolution_2d(grid, x, W, b=None, stride=1, pad=0, cover_all=False,
-                   dilate=1, groups=1, _layer=None):
+def convolution_2d(grid: SpatialGrid, x: Input, W: Input,
+                   b: Optional[Input] = None, stride: IntOrTuple = 1,
+                   pad: IntOrTuple = 0, cover_all: bool = False,
+                   dilate: IntOrTuple = 1, groups: int = 1,
+                   _layer: Optional[str] = None) -> chainer.Variable:
     """Spatially distributed 2-D convolution (see :func:`convolution_nd`)."""
     layer = _layer or 'distconv.convolution_2d'
     _check_grid_ndim(grid, 2, layer)
@@ -264,8 +287,10 @@ def _pool_args(grid, layer, ksize, stride, pad):
     return ksize, stride, pad
 
 
-def max_pooling_nd(grid, x, ksize, stride=None, pad=0, cover_all=True,
-                   return_indices=False):
+def max_pooling_nd(grid: SpatialGrid, x: Input, ksize: IntOrTuple,
+                   stride: Optional[IntOrTuple] = None, pad: IntOrTuple = 0,
+                   cover_all: bool = True,
+                   return_indices: bool = False) -> chainer.Variable:
     """Spatially distributed N-dimensional max pooling.
 
     Mirrors :func:`chainer.functions.max_pooling_nd`; padding cells are
@@ -287,8 +312,10 @@ def max_pooling_nd(grid, x, ksize, stride=None, pad=0, cover_all=True,
                         return_indices, 'distconv.max_pooling_nd')
 
 
-def max_pooling_2d(grid, x, ksize, stride=None, pad=0, cover_all=True,
-                   return_indices=False):
+def max_pooling_2d(grid: SpatialGrid, x: Input, ksize: IntOrTuple,
+                   stride: Optional[IntOrTuple] = None, pad: IntOrTuple = 0,
+                   cover_all: bool = True,
+                   return_indices: bool = False) -> chainer.Variable:
     """Spatially distributed 2-D max pooling (see :func:`max_pooling_nd`)."""
     layer = 'distconv.max_pooling_2d'
     _check_grid_ndim(grid, 2, layer)
@@ -320,7 +347,10 @@ def _max_pooling(grid, x, ksize, stride, pad, cover_all, return_indices,
                          layout.channels)
 
 
-def average_pooling_nd(grid, x, ksize, stride=None, pad=0, pad_value=0):
+def average_pooling_nd(grid: SpatialGrid, x: Input, ksize: IntOrTuple,
+                       stride: Optional[IntOrTuple] = None,
+                       pad: IntOrTuple = 0,
+                       pad_value: Optional[int] = 0) -> chainer.Variable:
     """Spatially distributed N-dimensional average pooling.
 
     Mirrors :func:`chainer.functions.average_pooling_nd`.
@@ -340,7 +370,9 @@ def average_pooling_nd(grid, x, ksize, stride=None, pad=0, pad_value=0):
                             'distconv.average_pooling_nd')
 
 
-def average_pooling_2d(grid, x, ksize, stride=None, pad=0):
+def average_pooling_2d(grid: SpatialGrid, x: Input, ksize: IntOrTuple,
+                       stride: Optional[IntOrTuple] = None,
+                       pad: IntOrTuple = 0) -> chainer.Variable:
     """Spatially distributed 2-D average pooling.
 
     Mirrors :func:`chainer.functions.average_pooling_2d` (padding counts as
@@ -410,7 +442,8 @@ class SpatialAllreduce(function_node.FunctionNode):
         return SpatialAllreduce(self.grid).apply(grad_outputs)
 
 
-def global_average_pooling(grid, x):
+def global_average_pooling(grid: SpatialGrid,
+                           x: Input) -> chainer.Variable:
     """Mean over the whole (distributed) spatial domain of each sample.
 
     Args:

@@ -17,12 +17,32 @@ Conventions:
     * Spatial ranks are the row-major (C order) linearisation of the grid
       coordinates.
 """
+from __future__ import annotations
+
 import collections
 import functools
 import itertools
+from typing import List, Sequence, Tuple
+
+__all__ = [
+    'Box', 'ExchangePlan', 'Interval', 'Shape',
+    'all_grid_coords', 'block_box', 'block_range', 'block_sizes',
+    'box_is_empty', 'box_shape', 'box_slices', 'clip', 'dilated_ksize',
+    'exchange_plan', 'grid_coords', 'grid_rank', 'grid_size', 'input_interval',
+    'interior_interval', 'intersect', 'interval_size', 'output_size',
+    'overlap_plan', 'split_box', 'split_interior', 'window_input_box',
+    'window_plan',
+]
+
+#: A half-open integer interval ``(lo, hi)``.
+Interval = Tuple[int, int]
+#: One interval per spatial dimension.
+Box = Tuple[Interval, ...]
+#: A spatial extent or a grid shape: one int per dimension.
+Shape = Tuple[int, ...]
 
 
-def block_range(n, p, i):
+def block_range(n: int, p: int, i: int) -> Interval:
     """Returns the interval of block ``i`` of ``n`` cells split ``p`` ways.
 
     Args:
@@ -41,12 +61,12 @@ def block_range(n, p, i):
     return lo, lo + base + (1 if i < rem else 0)
 
 
-def block_sizes(n, p):
+def block_sizes(n: int, p: int) -> List[int]:
     """Returns the sizes of all blocks of :func:`block_range`."""
     return [hi - lo for lo, hi in (block_range(n, p, i) for i in range(p))]
 
 
-def grid_coords(grid_shape, spatial_rank):
+def grid_coords(grid_shape: Sequence[int], spatial_rank: int) -> Shape:
     """Returns the grid coordinates of a spatial rank (row-major order)."""
     coords = []
     for p in reversed(grid_shape):
@@ -55,7 +75,7 @@ def grid_coords(grid_shape, spatial_rank):
     return tuple(reversed(coords))
 
 
-def grid_rank(grid_shape, coords):
+def grid_rank(grid_shape: Sequence[int], coords: Sequence[int]) -> int:
     """Returns the spatial rank of grid coordinates (row-major order)."""
     r = 0
     for p, c in zip(grid_shape, coords):
@@ -63,12 +83,13 @@ def grid_rank(grid_shape, coords):
     return r
 
 
-def grid_size(grid_shape):
+def grid_size(grid_shape: Sequence[int]) -> int:
     """Returns the number of processes of a spatial grid."""
     return functools.reduce(lambda a, b: a * b, grid_shape, 1)
 
 
-def block_box(global_shape, grid_shape, coords):
+def block_box(global_shape: Sequence[int], grid_shape: Sequence[int],
+              coords: Sequence[int]) -> Box:
     """Returns the box owned by the process at ``coords``.
 
     Args:
@@ -83,30 +104,30 @@ def block_box(global_shape, grid_shape, coords):
                  for n, p, c in zip(global_shape, grid_shape, coords))
 
 
-def interval_size(iv):
+def interval_size(iv: Interval) -> int:
     return max(iv[1] - iv[0], 0)
 
 
-def box_shape(box):
+def box_shape(box: Box) -> Shape:
     """Returns the extent of a box per dimension (0 for empty intervals)."""
     return tuple(interval_size(iv) for iv in box)
 
 
-def box_is_empty(box):
+def box_is_empty(box: Box) -> bool:
     return any(interval_size(iv) == 0 for iv in box)
 
 
-def intersect(a, b):
+def intersect(a: Box, b: Box) -> Box:
     """Intersects two boxes; the result may be empty (check box_is_empty)."""
     return tuple((max(x[0], y[0]), min(x[1], y[1])) for x, y in zip(a, b))
 
 
-def clip(box, global_shape):
+def clip(box: Box, global_shape: Sequence[int]) -> Box:
     """Clips a box to the unpadded global extent ``[0, n)`` per dimension."""
     return intersect(box, tuple((0, n) for n in global_shape))
 
 
-def box_slices(box, origin):
+def box_slices(box: Box, origin: Sequence[int]) -> Tuple[slice, ...]:
     """Returns slices selecting ``box`` in an array whose cell 0 is ``origin``.
 
     Args:
@@ -120,11 +141,12 @@ def box_slices(box, origin):
     return tuple(slice(iv[0] - o, iv[1] - o) for iv, o in zip(box, origin))
 
 
-def dilated_ksize(ksize, dilate):
+def dilated_ksize(ksize: int, dilate: int) -> int:
     return dilate * (ksize - 1) + 1
 
 
-def output_size(n, ksize, stride, pad, dilate=1, cover_all=False):
+def output_size(n: int, ksize: int, stride: int, pad: int, dilate: int = 1,
+                cover_all: bool = False) -> int:
     """Output extent of a window operation, as ``chainer.utils.conv``.
 
     Args:
@@ -145,7 +167,8 @@ def output_size(n, ksize, stride, pad, dilate=1, cover_all=False):
     return (n + 2 * pad - dk) // stride + 1
 
 
-def input_interval(out_iv, ksize, stride, pad, dilate=1):
+def input_interval(out_iv: Interval, ksize: int, stride: int, pad: int,
+                   dilate: int = 1) -> Interval:
     """Global input interval read by the outputs ``out_iv`` of a window op.
 
     Output ``o`` reads input cells ``o * stride - pad + j * dilate`` for
@@ -166,7 +189,9 @@ def input_interval(out_iv, ksize, stride, pad, dilate=1):
     return start, (hi - 1) * stride - pad + dilated_ksize(ksize, dilate)
 
 
-def window_input_box(out_box, ksize, stride, pad, dilate):
+def window_input_box(out_box: Box, ksize: Sequence[int],
+                     stride: Sequence[int], pad: Sequence[int],
+                     dilate: Sequence[int]) -> Box:
     """:func:`input_interval` for every dimension; empty if out_box is."""
     if box_is_empty(out_box):
         return tuple((iv[0] * s - p, iv[0] * s - p)
@@ -193,7 +218,8 @@ Attributes:
 """
 
 
-def exchange_plan(global_shape, grid_shape, needed, spatial_rank):
+def exchange_plan(global_shape: Sequence[int], grid_shape: Sequence[int],
+                  needed: Sequence[Box], spatial_rank: int) -> ExchangePlan:
     """Plans a general region exchange for one process.
 
     Every process owns the block :func:`block_box` of a tensor of global
@@ -237,8 +263,9 @@ def exchange_plan(global_shape, grid_shape, needed, spatial_rank):
 
 
 @functools.lru_cache(maxsize=1024)
-def window_plan(in_shape, grid_shape, ksize, stride, pad, dilate, cover_all,
-                spatial_rank):
+def window_plan(in_shape: Shape, grid_shape: Shape, ksize: Shape,
+                stride: Shape, pad: Shape, dilate: Shape, cover_all: bool,
+                spatial_rank: int) -> Tuple[ExchangePlan, Shape, Box]:
     """Plans the exchange of a window operation (convolution, pooling).
 
     Each process owns the balanced block of the *output* and needs the input
@@ -270,12 +297,13 @@ def window_plan(in_shape, grid_shape, ksize, stride, pad, dilate, cover_all,
     return plan, out_shape, out_box
 
 
-def all_grid_coords(grid_shape):
+def all_grid_coords(grid_shape: Sequence[int]) -> List[Shape]:
     """All coordinates of a grid in spatial-rank order."""
     return list(itertools.product(*[range(p) for p in grid_shape]))
 
 
-def interior_interval(out_iv, own_iv, ksize, stride, pad, dilate=1):
+def interior_interval(out_iv: Interval, own_iv: Interval, ksize: int,
+                      stride: int, pad: int, dilate: int = 1) -> Interval:
     """Outputs of ``out_iv`` whose windows lie inside ``own_iv``.
 
     These outputs read only cells this process owns (no halo, no padding),
@@ -297,7 +325,7 @@ def interior_interval(out_iv, own_iv, ksize, stride, pad, dilate=1):
     return (lo, hi) if hi > lo else (out_iv[0], out_iv[0])
 
 
-def split_interior(out_box, interior):
+def split_interior(out_box: Box, interior: Box) -> List[Box]:
     """Splits ``out_box`` into the interior box and ``2 * ndim`` slabs.
 
     Slab ``2k`` (``2k + 1``) holds the outputs below (above) the interior
@@ -333,8 +361,9 @@ def split_interior(out_box, interior):
 
 
 @functools.lru_cache(maxsize=1024)
-def overlap_plan(in_shape, grid_shape, ksize, stride, pad, dilate, cover_all,
-                 spatial_rank):
+def overlap_plan(in_shape: Shape, grid_shape: Shape, ksize: Shape,
+                 stride: Shape, pad: Shape, dilate: Shape, cover_all: bool,
+                 spatial_rank: int) -> tuple:
     """Plans an overlapped window operation for one process.
 
     Returns:
@@ -368,7 +397,7 @@ def overlap_plan(in_shape, grid_shape, ksize, stride, pad, dilate, cover_all,
             slab_ins, any_halo)
 
 
-def split_box(box, pieces):
+def split_box(box: Box, pieces: int) -> List[Box]:
     """Splits a box into ``pieces`` balanced boxes along its longest side.
 
     The overlapped path computes the interior in pieces and drives MPI

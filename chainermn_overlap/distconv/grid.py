@@ -1,6 +1,9 @@
 """The process grid of spatial parallelism and the block layout of tensors."""
+from __future__ import annotations
+
 import collections
 import hashlib
+from typing import TYPE_CHECKING, Any, List, Sequence, Tuple, Union
 
 import chainer
 from chainer import backend
@@ -11,10 +14,17 @@ from chainermn_overlap.distconv import _comm
 from chainermn_overlap.distconv import geometry
 from mpi4py import MPI
 
+if TYPE_CHECKING:
+    from chainer.types import NdArray
+
+    Input = Union[chainer.Variable, NdArray]
+
+__all__ = ['Layout', 'SpatialGrid', 'axis_names']
+
 _AXIS_NAMES = {1: ('W',), 2: ('H', 'W'), 3: ('D', 'H', 'W')}
 
 
-def axis_names(ndim):
+def axis_names(ndim: int) -> Tuple[str, ...]:
     """Names of the spatial axes for messages ('H', 'W', ...)."""
     return _AXIS_NAMES.get(ndim, tuple('S%d' % i for i in range(ndim)))
 
@@ -103,8 +113,10 @@ class SpatialGrid(object):
             wait began, i.e. fully hidden).
     """
 
-    def __init__(self, comm, shape, overlap=True, check='cached',
-                 progress_pieces=4, progress_min_cells=32768):
+    def __init__(self, comm: Any, shape: Sequence[int],
+                 overlap: bool = True, check: str = 'cached',
+                 progress_pieces: int = 4,
+                 progress_min_cells: int = 32768) -> None:
         mpi_comm = getattr(comm, 'mpi_comm', comm)
         try:
             shape = tuple(int(s) for s in shape)
@@ -177,11 +189,11 @@ class SpatialGrid(object):
     # ------------------------------------------------------------------
     # Layouts
     # ------------------------------------------------------------------
-    def sample_range(self, n):
+    def sample_range(self, n: int) -> geometry.Interval:
         """Samples ``[lo, hi)`` of a global batch of ``n`` in this group."""
         return geometry.block_range(n, self.n_groups, self.group)
 
-    def block(self, spatial_shape):
+    def block(self, spatial_shape: Sequence[int]) -> geometry.Box:
         """This process's box of a tensor with global ``spatial_shape``."""
         return geometry.block_box(spatial_shape, self.shape, self.coords)
 
@@ -218,7 +230,8 @@ class SpatialGrid(object):
                     'channels and dtype.'
                     % (layer, ch0, dtype0, r, shape[1], dtype))
 
-    def check_spatial(self, x, layer, signature=()):
+    def check_spatial(self, x: Input, layer: str,
+                      signature: tuple = ()) -> Layout:
         """Checks that ``x`` is a block of the spatial layout (collective).
 
         Every process must call this with its block. All processes receive
@@ -342,7 +355,8 @@ class SpatialGrid(object):
         layout = Layout(spatial_shape, group_samples, infos[0][0][1])
         return layout, layout
 
-    def check_samples(self, x, layer, signature=()):
+    def check_samples(self, x: Input, layer: str, signature: tuple = ()
+                      ) -> Tuple[Tuple[int, ...], List[int]]:
         """Checks a tensor in sample layout (whole samples per process).
 
         Returns:
@@ -370,7 +384,7 @@ class SpatialGrid(object):
     # ------------------------------------------------------------------
     # User-facing distribution helpers (not for the training path)
     # ------------------------------------------------------------------
-    def scatter(self, x):
+    def scatter(self, x: Input) -> NdArray:
         """Returns this process's block of a global batch.
 
         Args:
@@ -393,13 +407,13 @@ class SpatialGrid(object):
         xp = backend.get_array_module(arr)
         return xp.ascontiguousarray(arr[sl])
 
-    def scatter_samples(self, t):
+    def scatter_samples(self, t: Input) -> NdArray:
         """Returns this group's samples of a per-sample array (e.g. labels)."""
         arr = t.array if isinstance(t, chainer.Variable) else t
         lo, hi = self.sample_range(arr.shape[0])
         return arr[lo:hi]
 
-    def gather(self, y):
+    def gather(self, y: Input) -> NdArray:
         """Assembles the global tensor from every process's block.
 
         Collective over the whole communicator. Meant for users and tests:
@@ -430,7 +444,7 @@ class SpatialGrid(object):
             offset += n
         return _comm.like(out, arr)
 
-    def loss_scale(self, n_local):
+    def loss_scale(self, n_local: int) -> float:
         """Factor turning a sum of per-sample losses into the rank's loss.
 
         Every distconv operation's backward is the exact adjoint of its

@@ -4,11 +4,24 @@ They subclass the Chainer links, so parameters, initialisers, serialisation
 and link hooks are unchanged: a single-process model's parameters can be
 copied into a distributed one and back.
 """
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Optional, Sequence, Union
+
 import chainer
 import chainer.links as L
 
 from chainermn_overlap.distconv import functions
 from chainermn_overlap.distconv import normalization
+
+if TYPE_CHECKING:
+    from chainer.types import NdArray
+    from chainermn_overlap.distconv.grid import SpatialGrid
+
+    Input = Union[chainer.Variable, NdArray]
+    IntOrTuple = Union[int, Sequence[int]]
+
+__all__ = ['BatchNormalization', 'Convolution2D', 'ConvolutionND']
 
 
 def _layer_name(link, kind):
@@ -26,9 +39,12 @@ class Convolution2D(L.Convolution2D):
             initialises lazily; the two-argument form works too).
     """
 
-    def __init__(self, grid, in_channels, out_channels, ksize=None, stride=1,
-                 pad=0, nobias=False, initialW=None, initial_bias=None,
-                 dilate=1, groups=1):
+    def __init__(self, grid: SpatialGrid, in_channels: Optional[int],
+                 out_channels: Optional[int],
+                 ksize: Optional[IntOrTuple] = None, stride: IntOrTuple = 1,
+                 pad: IntOrTuple = 0, nobias: bool = False, initialW=None,
+                 initial_bias=None, dilate: IntOrTuple = 1,
+                 groups: int = 1) -> None:
         if grid.ndim != 2:
             raise ValueError(
                 'distconv.Convolution2D needs a 2-D grid, got %r. Use '
@@ -39,7 +55,7 @@ class Convolution2D(L.Convolution2D):
             initial_bias, dilate=dilate, groups=groups)
         self.grid = grid
 
-    def forward(self, x):
+    def forward(self, x: Input) -> chainer.Variable:
         if self.W.array is None:
             self._initialize_params(x.shape[1])
         return functions.convolution_2d(
@@ -58,9 +74,12 @@ class ConvolutionND(L.ConvolutionND):
         initial_bias, cover_all, dilate, groups: As in Chainer.
     """
 
-    def __init__(self, grid, ndim, in_channels, out_channels, ksize=None,
-                 stride=1, pad=0, nobias=False, initialW=None,
-                 initial_bias=None, cover_all=False, dilate=1, groups=1):
+    def __init__(self, grid: SpatialGrid, ndim: int,
+                 in_channels: Optional[int], out_channels: int,
+                 ksize: Optional[IntOrTuple] = None, stride: IntOrTuple = 1,
+                 pad: IntOrTuple = 0, nobias: bool = False, initialW=None,
+                 initial_bias=None, cover_all: bool = False,
+                 dilate: IntOrTuple = 1, groups: int = 1) -> None:
         if grid.ndim != ndim:
             raise ValueError(
                 'distconv.ConvolutionND: ndim=%d but the grid %r has %d '
@@ -71,7 +90,7 @@ class ConvolutionND(L.ConvolutionND):
             initialW, initial_bias, cover_all, dilate, groups)
         self.grid = grid
 
-    def forward(self, x):
+    def forward(self, x: Input) -> chainer.Variable:
         if self.W.array is None:
             self._initialize_params(x.shape[1])
         return functions.convolution_nd(
@@ -101,10 +120,12 @@ class BatchNormalization(L.BatchNormalization):
             :func:`to_sample_layout`); statistics are global either way.
     """
 
-    def __init__(self, grid, size=None, decay=0.9, eps=2e-5, dtype=None,
-                 use_gamma=True, use_beta=True, initial_gamma=None,
-                 initial_beta=None, axis=None, initial_avg_mean=None,
-                 initial_avg_var=None, layout='spatial'):
+    def __init__(self, grid: SpatialGrid, size: Optional[int] = None,
+                 decay: float = 0.9, eps: float = 2e-5, dtype=None,
+                 use_gamma: bool = True, use_beta: bool = True,
+                 initial_gamma=None, initial_beta=None, axis=None,
+                 initial_avg_mean=None, initial_avg_var=None,
+                 layout: str = 'spatial') -> None:
         if layout not in ('spatial', 'sample'):
             raise ValueError(
                 "distconv.BatchNormalization: layout must be 'spatial' or "
@@ -124,7 +145,7 @@ class BatchNormalization(L.BatchNormalization):
         self.grid = grid
         self.layout = layout
 
-    def forward(self, x, finetune=False):
+    def forward(self, x: Input, finetune: bool = False) -> chainer.Variable:
         """Normalises ``x``, this process's block ``(N, C, *block)``."""
         if self.avg_mean is None:
             self._initialize_params((x.shape[1],))

@@ -1,4 +1,8 @@
 """Batch normalisation with statistics over the whole distributed batch."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Optional, Union
+
 import chainer
 from chainer import backend
 from chainer import function_node
@@ -6,6 +10,13 @@ import numpy
 
 from chainermn_overlap.distconv import _comm
 
+if TYPE_CHECKING:
+    from chainer.types import NdArray
+    from chainermn_overlap.distconv.grid import SpatialGrid
+
+    Input = Union[chainer.Variable, NdArray]
+
+__all__ = ['DistributedBatchNormalization', 'batch_normalization']
 
 # Values per chunk of the blocked passes on the CPU: a chunk of the input,
 # of the output gradient and one temporary fit in a core's L2 cache, so the
@@ -72,8 +83,10 @@ class DistributedBatchNormalization(function_node.FunctionNode):
         decay (float): Decay of the running statistics.
     """
 
-    def __init__(self, grid, eps, count, running_mean=None, running_var=None,
-                 decay=0.9):
+    def __init__(self, grid: SpatialGrid, eps: float, count: int,
+                 running_mean: Optional[NdArray] = None,
+                 running_var: Optional[NdArray] = None,
+                 decay: float = 0.9) -> None:
         self.grid = grid
         self.eps = eps
         self.count = count
@@ -213,9 +226,12 @@ class DistributedBatchNormalization(function_node.FunctionNode):
                 chainer.Variable(gbeta.astype(gamma.dtype, copy=False)))
 
 
-def batch_normalization(grid, x, gamma, beta, eps=2e-5, running_mean=None,
-                        running_var=None, decay=0.9, layout='spatial',
-                        _layer=None):
+def batch_normalization(grid: SpatialGrid, x: Input, gamma: Input,
+                        beta: Input, eps: float = 2e-5,
+                        running_mean: Optional[NdArray] = None,
+                        running_var: Optional[NdArray] = None,
+                        decay: float = 0.9, layout: str = 'spatial',
+                        _layer: Optional[str] = None) -> chainer.Variable:
     """Batch normalisation with global statistics (see the FunctionNode).
 
     Args:

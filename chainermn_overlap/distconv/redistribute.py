@@ -17,6 +17,10 @@ flight, and each received piece is unpacked as soon as it arrives. Pieces
 without cells are not sent. Memory per process stays proportional to its
 share of the group's data.
 """
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Sequence, Union
+
 import chainer
 from chainer import backend
 from chainer import function_node
@@ -24,6 +28,15 @@ import numpy
 
 from chainermn_overlap.distconv import _comm
 from chainermn_overlap.distconv import geometry
+
+if TYPE_CHECKING:
+    from chainer.types import NdArray
+    from chainermn_overlap.distconv.grid import SpatialGrid
+
+    Input = Union[chainer.Variable, NdArray]
+
+__all__ = ['LayoutShuffle', 'sample_share', 'to_sample_layout',
+           'to_spatial_layout']
 
 
 class LayoutShuffle(function_node.FunctionNode):
@@ -36,7 +49,8 @@ class LayoutShuffle(function_node.FunctionNode):
         to_samples (bool): Direction; spatial -> sample layout if True.
     """
 
-    def __init__(self, grid, spatial_shape, counts, to_samples):
+    def __init__(self, grid: SpatialGrid, spatial_shape: Sequence[int],
+                 counts: Sequence[int], to_samples: bool) -> None:
         self.grid = grid
         self.spatial_shape = tuple(spatial_shape)
         self.counts = list(counts)
@@ -126,7 +140,7 @@ class LayoutShuffle(function_node.FunctionNode):
                              not self.to_samples).apply(grad_outputs)
 
 
-def to_sample_layout(grid, x):
+def to_sample_layout(grid: SpatialGrid, x: Input) -> chainer.Variable:
     """Spatial layout -> sample layout (whole samples per process).
 
     Args:
@@ -146,7 +160,7 @@ def to_sample_layout(grid, x):
         (x,))[0]
 
 
-def to_spatial_layout(grid, x):
+def to_spatial_layout(grid: SpatialGrid, x: Input) -> chainer.Variable:
     """Sample layout -> spatial layout (inverse of :func:`to_sample_layout`).
 
     Any number of whole samples per process is accepted; the group's samples
@@ -165,7 +179,7 @@ def to_spatial_layout(grid, x):
     return LayoutShuffle(grid, spatial_shape, counts, False).apply((x,))[0]
 
 
-def sample_share(grid, n_group):
+def sample_share(grid: SpatialGrid, n_group: int) -> geometry.Interval:
     """Samples ``[lo, hi)`` of a group's ``n_group`` samples that this
     process holds in sample layout."""
     return geometry.block_range(n_group, grid.spatial_size, grid.spatial_rank)

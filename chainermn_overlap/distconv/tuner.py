@@ -22,8 +22,11 @@ the slowest rank's (the step is synchronous), a candidate's time is the
 median over its timed steps, and the minimum is taken over the gathered
 table, ties broken by candidate order.
 """
+from __future__ import annotations
+
 import json
 import time
+from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import chainer
 import chainer.functions as F
@@ -33,8 +36,10 @@ from chainermn_overlap import _mpi_json
 from chainermn_overlap.distconv import geometry
 from chainermn_overlap.distconv.grid import SpatialGrid
 
+__all__ = ['candidate_grids', 'format_table', 'tune']
 
-def candidate_grids(size, ndim):
+
+def candidate_grids(size: int, ndim: int) -> List[Tuple[int, ...]]:
     """Every grid shape of ``ndim`` dimensions whose size divides ``size``.
 
     Args:
@@ -83,9 +88,12 @@ def _default_loss(model, x):
     return out if out.size == 1 else F.sum(out)
 
 
-def tune(comm, build_model, input_shape, candidates=None, iterations=3,
-         warmup=1, loss_fn=None, grid_kwargs=None, dtype=numpy.float32,
-         timer=time.perf_counter):
+def tune(comm: Any, build_model: Callable[[SpatialGrid, Any], chainer.Link],
+         input_shape: Sequence[int], candidates: Optional[list] = None,
+         iterations: int = 3, warmup: int = 1,
+         loss_fn: Optional[Callable[..., chainer.Variable]] = None,
+         grid_kwargs: Optional[dict] = None, dtype=numpy.float32,
+         timer: Callable[[], float] = time.perf_counter) -> dict:
     """Times each candidate for a few steps and returns the fastest.
 
     Collective: every process of ``comm`` must call it with the same
@@ -219,7 +227,7 @@ def _time_candidate(comm, mpi_comm, build_model, cand, shape, input_shape,
         return [], '%s: %s' % (type(e).__name__, str(e)[:300])
 
 
-def format_table(result):
+def format_table(result: dict) -> str:
     """The tuner's choice and timings as text (for rank 0 to print)."""
     lines = ['%-4s %-44s %-8s %12s  %s' % ('', 'candidate', 'status',
                                           'median s', 'note')]

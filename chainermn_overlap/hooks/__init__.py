@@ -7,3 +7,5 @@ has arrived, or that a parameter's array is being read by a function.
 from chainermn_overlap.hooks.taps import GradTap  # NOQA
 from chainermn_overlap.hooks.taps import OverlapLinkHook  # NOQA
 from chainermn_overlap.hooks.taps import ParamUseHook  # NOQA
+
+__all__ = ['GradTap', 'OverlapLinkHook', 'ParamUseHook']

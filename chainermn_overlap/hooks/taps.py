@@ -11,7 +11,10 @@ the tap would have rank 0 and Chainer's backward, which processes nodes in
 decreasing rank order, would run every tap at the very end; with it the tap
 runs right after its consumer, in reverse layer order.
 """
+from __future__ import annotations
+
 import functools
+from typing import Any, Mapping, Optional, Sequence
 
 import chainer
 from chainer import computational_graph
@@ -19,6 +22,13 @@ from chainer import function_hook
 from chainer import function_node
 from chainer import link_hook
 from chainer import variable
+
+__all__ = [
+    'GradTap', 'GradientSink', 'InertLinkHook', 'OverlapLinkHook',
+    'ParamUseHook', 'contract_taps', 'ensure_param_use_hook',
+    'first_variable', 'install_graph_dump_filter', 'install_param_use_hook',
+    'uninstall_param_use_hook',
+]
 
 
 class GradientSink(object):
@@ -35,23 +45,25 @@ class GradientSink(object):
     #: Number of deferred updates not applied yet.
     pending_count = 0
 
-    def before_forward(self, link, args, kwargs):
+    def before_forward(self, link: chainer.Link, args: tuple,
+                       kwargs: dict) -> None:
         """``link`` is about to run: apply its updates, tap its parameters."""
         raise NotImplementedError
 
-    def after_forward(self, link):
+    def after_forward(self, link: chainer.Link) -> None:
         """``link`` ran: put its parameters back."""
         raise NotImplementedError
 
-    def on_tap(self, param, so_far, gy, iteration):
+    def on_tap(self, param: chainer.Parameter, so_far: Any, gy: Any,
+               iteration: Any) -> Any:
         """One use's gradient ``gy`` of ``param``; returns the new total."""
         raise NotImplementedError
 
-    def on_raw_use(self, state):
+    def on_raw_use(self, state: Any) -> None:
         """A function received the parameter's array itself (not a tap)."""
         raise NotImplementedError
 
-    def apply_pending(self, state):
+    def apply_pending(self, state: Any) -> None:
         """Applies the parameter's pending deferred update now."""
         raise NotImplementedError
 
@@ -66,7 +78,8 @@ class GradTap(function_node.FunctionNode):
         param (chainer.Parameter): the tapped parameter.
     """
 
-    def __init__(self, sink, param, iteration=None):
+    def __init__(self, sink: GradientSink, param: chainer.Parameter,
+                 iteration: Any = None) -> None:
         self.sink = sink
         self.param = param
         self.iteration = iteration
@@ -91,7 +104,8 @@ class GradTap(function_node.FunctionNode):
         return tuple(out)
 
 
-def first_variable(args, kwargs):
+def first_variable(args: Sequence[Any], kwargs: Mapping[str, Any]
+                   ) -> Optional[variable.Variable]:
     """The first ``Variable`` among a call's arguments, or None."""
     for a in args:
         if isinstance(a, variable.Variable):
@@ -117,7 +131,7 @@ class OverlapLinkHook(link_hook.LinkHook):
 
     name = 'chainermn_overlap'
 
-    def __init__(self, sink):
+    def __init__(self, sink: GradientSink) -> None:
         self.sink = sink
 
     def forward_preprocess(self, args):
@@ -195,7 +209,7 @@ class ParamUseHook(function_hook.FunctionHook):
 _PARAM_USE_HOOK = ParamUseHook()
 
 
-def install_param_use_hook(sink):
+def install_param_use_hook(sink: GradientSink) -> None:
     """Registers ``sink`` with the process-wide function hook.
 
     Function hooks are thread-local in Chainer; this installs the hook in
@@ -207,12 +221,12 @@ def install_param_use_hook(sink):
     ensure_param_use_hook()
 
 
-def uninstall_param_use_hook(sink):
+def uninstall_param_use_hook(sink: GradientSink) -> None:
     if sink in _PARAM_USE_HOOK.sinks:
         _PARAM_USE_HOOK.sinks.remove(sink)
 
 
-def ensure_param_use_hook():
+def ensure_param_use_hook() -> None:
     hooks = chainer.get_function_hooks()
     if ParamUseHook.name not in hooks:
         hooks[ParamUseHook.name] = _PARAM_USE_HOOK
@@ -226,7 +240,8 @@ def ensure_param_use_hook():
 # tap: its consumers read the parameter itself again, so the dump is the one
 # a run without this library gives.
 
-def contract_taps(graph):
+def contract_taps(graph: computational_graph.ComputationalGraph
+                  ) -> computational_graph.ComputationalGraph:
     """Removes the gradient taps from a ``ComputationalGraph`` in place."""
     taps = {n for n in graph.nodes if isinstance(n, GradTap)}
     if not taps:
@@ -261,7 +276,7 @@ def _wrap_graph_builder(build):
     return build_computational_graph
 
 
-def install_graph_dump_filter():
+def install_graph_dump_filter() -> None:
     """Makes ``chainer.computational_graph`` dumps show no taps (once)."""
     fn = computational_graph.build_computational_graph
     if not getattr(fn, '__chainermn_overlap__', False):

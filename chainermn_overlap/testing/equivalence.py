@@ -20,24 +20,40 @@ Typical use::
                                       steps=5, wait='forward')
     equivalence.assert_equivalent(got.model, ref.model, rtol=1e-5, atol=1e-6)
 """
+from __future__ import annotations
+
 import contextlib
 import copy
 import os
 import warnings
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
 import chainer
-import chainer.functions as F
-import chainer.links as L
 import chainermn
 
+from chainermn_overlap.testing import models
+
+__all__ = [
+    'ENV_VAR', 'REFERENCE', 'MLP', 'ChainerMNImpl', 'OverlappedImpl', 'Run',
+    'all_ranks_ok', 'assert_all_ranks', 'assert_different',
+    'assert_equivalent', 'assert_same_value', 'compare_states',
+    'cross_rank_errors', 'get_communicator', 'global_rng',
+    'implementation_under_test', 'make_batches', 'param_state', 'rank_slice',
+    'seed_for_rank', 'train', 'train_both',
+]
+
 ENV_VAR = 'CHAINERMN_OVERLAP_TEST_OPTIMIZER'
+
+#: ``{name: array or None}``, as :func:`param_state` returns.
+State = Dict[str, Optional[np.ndarray]]
+Impl = Union['ChainerMNImpl', 'OverlappedImpl']
 
 _comm = None
 
 
-def get_communicator():
+def get_communicator() -> chainermn.CommunicatorBase:
     """The session-wide ChainerMN communicator (created once, collectively)."""
     global _comm
     if _comm is None:
@@ -63,15 +79,16 @@ class ChainerMNImpl(object):
     resume_skips = True
     fallback_warning = None
 
-    def create(self, actual, comm, wait='forward', **options):
+    def create(self, actual: chainer.Optimizer, comm: Any,
+               wait: str = 'forward', **options: Any) -> Any:
         zero_fill = options.get('zero_fill', True)
         return chainermn.create_multi_node_optimizer(actual, comm,
                                                      zero_fill=zero_fill)
 
-    def synchronize(self, opt):
+    def synchronize(self, opt: Any) -> None:
         pass
 
-    def no_sync(self, opt):
+    def no_sync(self, opt: Any) -> contextlib.AbstractContextManager:
         # ChainerMN communicates only inside update(), so accumulating
         # several backward passes before update() is already local.
         return contextlib.nullcontext()
@@ -98,21 +115,22 @@ class OverlappedImpl(object):
     def fallback_warning(self):
         return self._module.FallbackWarning
 
-    def create(self, actual, comm, wait='forward', **options):
+    def create(self, actual: chainer.Optimizer, comm: Any,
+               wait: str = 'forward', **options: Any) -> Any:
         return self._module.create_overlapped_optimizer(
             actual, comm, wait=wait, **options)
 
-    def synchronize(self, opt):
+    def synchronize(self, opt: Any) -> None:
         opt.synchronize()
 
-    def no_sync(self, opt):
+    def no_sync(self, opt: Any) -> contextlib.AbstractContextManager:
         return opt.no_sync()
 
 
 REFERENCE = ChainerMNImpl()
 
 
-def implementation_under_test():
+def implementation_under_test() -> Impl:
     """The adapter selected by ``CHAINERMN_OVERLAP_TEST_OPTIMIZER``."""
     which = os.environ.get(ENV_VAR, 'overlap')
     if which == 'chainermn':
@@ -127,11 +145,12 @@ def implementation_under_test():
 # Data: rank-dependent slices of a global batch drawn from a fixed seed.
 # ---------------------------------------------------------------------------
 
-def global_rng(seed):
+def global_rng(seed: int) -> np.random.RandomState:
     return np.random.RandomState(seed)
 
 
-def rank_slice(array, comm=None, axis=1):
+def rank_slice(array: np.ndarray, comm: Any = None,
+               axis: int = 1) -> np.ndarray:
     """This rank's contiguous share of ``array`` along ``axis``.
 
     ``array.shape[axis]`` must be a multiple of the number of ranks.
@@ -145,8 +164,10 @@ def rank_slice(array, comm=None, axis=1):
     return array[tuple(index)]
 
 
-def make_batches(seed, steps, per_rank, x_shape, n_classes=None,
-                 y_shape=None, comm=None):
+def make_batches(seed: int, steps: int, per_rank: int,
+                 x_shape: Sequence[int], n_classes: Optional[int] = None,
+                 y_shape: Optional[Sequence[int]] = None, comm: Any = None
+                 ) -> List[Tuple[np.ndarray, np.ndarray]]:
     """Per-step ``(x, t)`` pairs: this rank's part of a global batch.
 
     The global batch of step ``i`` holds ``per_rank * size`` samples drawn
@@ -168,7 +189,7 @@ def make_batches(seed, steps, per_rank, x_shape, n_classes=None,
     return [(xs[i], ts[i]) for i in range(steps)]
 
 
-def seed_for_rank(seed, comm=None):
+def seed_for_rank(seed: int, comm: Any = None) -> None:
     """Seed ``numpy.random`` differently on each rank.
 
     Model initialisation may differ between ranks (realistic: the first
@@ -187,21 +208,26 @@ def seed_for_rank(seed, comm=None):
 class Run(object):
     """Result of one training run."""
 
-    def __init__(self, model, opt, impl, caught):
+    def __init__(self, model: chainer.Link, opt: Any, impl: Impl,
+                 caught: List[warnings.WarningMessage]) -> None:
         self.model = model
         self.opt = opt
         self.impl = impl
         self.warnings = caught
 
-    def count_warnings(self, category):
+    def count_warnings(self, category: Optional[type]) -> int:
         if category is None:
             return 0
         return sum(1 for w in self.warnings
                    if issubclass(w.category, category))
 
 
-def train(impl, template, make_actual, step, steps, wait='forward',
-          options=None, hooks=None, seed=0, synchronize=True, comm=None):
+def train(impl: Impl, template: chainer.Link,
+          make_actual: Callable[[], chainer.Optimizer],
+          step: Callable[[chainer.Link, Any, int, Impl], None], steps: int,
+          wait: str = 'forward', options: Optional[dict] = None,
+          hooks: Optional[Callable[[], list]] = None, seed: int = 0,
+          synchronize: bool = True, comm: Any = None) -> Run:
     """Train a deep copy of ``template`` for ``steps`` iterations.
 
     Args:
@@ -238,8 +264,13 @@ def train(impl, template, make_actual, step, steps, wait='forward',
     return Run(model, opt, impl, list(caught))
 
 
-def train_both(impl, template, make_actual, step, steps, wait='forward',
-               options=None, hooks=None, seed=0):
+def train_both(impl: Impl, template: chainer.Link,
+               make_actual: Callable[[], chainer.Optimizer],
+               step: Callable[[chainer.Link, Any, int, Impl], None],
+               steps: int, wait: str = 'forward',
+               options: Optional[dict] = None,
+               hooks: Optional[Callable[[], list]] = None,
+               seed: int = 0) -> Tuple[Run, Run]:
     """Train with ChainerMN (reference) and with ``impl``; returns both."""
     ref = train(REFERENCE, template, make_actual, step, steps, wait,
                 None, hooks, seed)
@@ -255,7 +286,7 @@ def train_both(impl, template, make_actual, step, steps, wait='forward',
 # the next collective.
 # ---------------------------------------------------------------------------
 
-def param_state(link, persistents=True):
+def param_state(link: chainer.Link, persistents: bool = True) -> State:
     """``{name: array copy}`` for the parameters (and persistents) of link."""
     state = {}
     for name, param in link.namedparams():
@@ -271,7 +302,8 @@ def param_state(link, persistents=True):
     return state
 
 
-def compare_states(got, ref, rtol, atol):
+def compare_states(got: State, ref: State, rtol: float,
+                   atol: float) -> List[str]:
     """Human-readable differences between two states (empty when equal)."""
     errors = []
     for name in sorted(set(got) | set(ref)):
@@ -299,7 +331,8 @@ def compare_states(got, ref, rtol, atol):
     return errors
 
 
-def all_ranks_ok(ok, message='', comm=None):
+def all_ranks_ok(ok: bool, message: str = '',
+                 comm: Any = None) -> Tuple[bool, str]:
     """Allgather a pass/fail flag; returns ``(all_ok, report)``."""
     comm = comm or get_communicator()
     results = comm.mpi_comm.allgather((bool(ok), message))
@@ -308,14 +341,15 @@ def all_ranks_ok(ok, message='', comm=None):
     return all(o for o, _ in results), report
 
 
-def assert_all_ranks(ok, message='', comm=None):
+def assert_all_ranks(ok: bool, message: str = '',
+                     comm: Any = None) -> None:
     """Raise AssertionError on every rank if ``ok`` is false on any rank."""
     all_ok, report = all_ranks_ok(ok, message, comm)
     if not all_ok:
         raise AssertionError(report)
 
 
-def cross_rank_errors(link, comm=None):
+def cross_rank_errors(link: chainer.Link, comm: Any = None) -> List[str]:
     """Differences of ``link``'s parameters from rank 0's (must be exact).
 
     All ranks apply the same update rule to the same all-reduced gradient,
@@ -339,8 +373,10 @@ def cross_rank_errors(link, comm=None):
     return errors
 
 
-def assert_equivalent(got, ref, rtol, atol, persistents=True, comm=None,
-                      what=''):
+def assert_equivalent(got: Union[chainer.Link, State],
+                      ref: Union[chainer.Link, State], rtol: float,
+                      atol: float, persistents: bool = True,
+                      comm: Any = None, what: str = '') -> None:
     """``got`` equals ``ref`` on every rank and is identical across ranks.
 
     Args:
@@ -356,7 +392,9 @@ def assert_equivalent(got, ref, rtol, atol, persistents=True, comm=None,
     assert_all_ranks(not errors, prefix + '; '.join(errors[:8]), comm)
 
 
-def assert_different(got, ref, rtol, atol, comm=None, what=''):
+def assert_different(got: Union[chainer.Link, State],
+                     ref: Union[chainer.Link, State], rtol: float,
+                     atol: float, comm: Any = None, what: str = '') -> None:
     """Negative control: ``got`` and ``ref`` differ beyond the tolerance."""
     comm = comm or get_communicator()
     a = got if isinstance(got, dict) else param_state(got, False)
@@ -367,7 +405,7 @@ def assert_different(got, ref, rtol, atol, comm=None, what=''):
                      'rtol=%g atol=%g, found none' % (rtol, atol), comm)
 
 
-def assert_same_value(value, what, comm=None):
+def assert_same_value(value: Any, what: str, comm: Any = None) -> None:
     """A Python value is equal on every rank (e.g. ``opt.t``)."""
     comm = comm or get_communicator()
     values = comm.mpi_comm.allgather(value)
@@ -375,15 +413,6 @@ def assert_same_value(value, what, comm=None):
                      '%s differs across ranks: %r' % (what, values), comm)
 
 
-# A small model shared by several test modules.
-class MLP(chainer.Chain):
-
-    def __init__(self, n_in=5, n_hidden=8, n_out=3):
-        super().__init__()
-        with self.init_scope():
-            self.l1 = L.Linear(n_in, n_hidden)
-            self.l2 = L.Linear(n_hidden, n_hidden)
-            self.l3 = L.Linear(n_hidden, n_out)
-
-    def forward(self, x):
-        return self.l3(F.relu(self.l2(F.relu(self.l1(x)))))
+# Kept importable here (``equivalence.MLP``): the shared test models live in
+# chainermn_overlap.testing.models.
+MLP = models.MLP

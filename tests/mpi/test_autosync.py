@@ -4,29 +4,19 @@ import pickle
 
 import chainer
 import chainer.functions as F
-import chainer.links as L
 import chainermn
 import numpy as np
 import pytest
 
 import chainermn_overlap
+from chainermn_overlap.testing import models
 
 
-@pytest.fixture(scope='module')
-def comm():
-    return chainermn.create_communicator('naive')
-
-
-class MLP(chainer.Chain):
-
-    def __init__(self):
-        super().__init__()
-        with self.init_scope():
-            self.l1 = L.Linear(4, 6)
-            self.l2 = L.Linear(6, 3)
-
-    def forward(self, x):
-        return F.sum(self.l2(F.tanh(self.l1(x))) ** 2)
+def _mlp():
+    # 4-6-3, tanh, loss sum(y ** 2) inside forward: update(model, x) needs no
+    # targets.  A module-level loss keeps the model picklable.
+    return models.MLP(4, 6, 3, n_layers=2, activation=F.tanh,
+                      loss=models.sum_of_squares)
 
 
 def _data(comm, step):
@@ -41,7 +31,7 @@ def _params(model):
 def _train(comm, wait, steps=4, lr_schedule=None):
     """Trains and returns (model, optimizer) without synchronising."""
     np.random.seed(7)
-    model = MLP()
+    model = _mlp()
     opt = chainermn_overlap.create_overlapped_optimizer(
         chainer.optimizers.MomentumSGD(0.1), comm, wait=wait).setup(model)
     for i in range(steps):
@@ -53,7 +43,7 @@ def _train(comm, wait, steps=4, lr_schedule=None):
 
 def _reference(comm, steps=4, lr_schedule=None):
     np.random.seed(7)
-    model = MLP()
+    model = _mlp()
     opt = chainermn.create_multi_node_optimizer(
         chainer.optimizers.MomentumSGD(0.1), comm)
     opt.setup(model)
@@ -101,7 +91,7 @@ def test_reads_synchronize(comm, read):
         model.to_cpu()
         got = _params(model)
     else:
-        other = MLP()
+        other = _mlp()
         other.copyparams(model)
         got = _params(other)
     _assert_close(got, ref)
@@ -114,7 +104,7 @@ def test_save_npz_right_after_training(comm, tmp_path):
     model, opt = _train(comm, 'forward')
     path = str(tmp_path / 'model{}.npz'.format(comm.rank))
     chainer.serializers.save_npz(path, model)
-    loaded = MLP()
+    loaded = _mlp()
     chainer.serializers.load_npz(path, loaded)
     _assert_close(_params(loaded), ref)
     opt.close()
@@ -147,12 +137,12 @@ def test_extra_forward_backward_needs_no_sync(comm):
 def test_no_sync_accumulation_equals_reference(comm):
     # Two micro-batches accumulated == one update on the summed gradient.
     np.random.seed(7)
-    ref_model = MLP()
+    ref_model = _mlp()
     ref_opt = chainermn.create_multi_node_optimizer(
         chainer.optimizers.SGD(0.1), comm)
     ref_opt.setup(ref_model)
     np.random.seed(7)
-    model = MLP()
+    model = _mlp()
     opt = chainermn_overlap.create_overlapped_optimizer(
         chainer.optimizers.SGD(0.1), comm).setup(model)
     for step in range(4):
@@ -173,13 +163,13 @@ def test_no_sync_accumulation_equals_reference(comm):
 
 def test_gradient_clipping_falls_back_with_one_warning(comm):
     np.random.seed(7)
-    ref_model = MLP()
+    ref_model = _mlp()
     ref_opt = chainermn.create_multi_node_optimizer(
         chainer.optimizers.SGD(0.1), comm)
     ref_opt.setup(ref_model)
     ref_opt.add_hook(chainer.optimizer_hooks.GradientClipping(0.01))
     np.random.seed(7)
-    model = MLP()
+    model = _mlp()
     opt = chainermn_overlap.create_overlapped_optimizer(
         chainer.optimizers.SGD(0.1), comm).setup(model)
     opt.add_hook(chainer.optimizer_hooks.GradientClipping(0.01))

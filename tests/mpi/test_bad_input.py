@@ -2,16 +2,10 @@
 import chainer
 import chainer.functions as F
 import chainer.links as L
-import chainermn
 import numpy as np
 import pytest
 
 import chainermn_overlap
-
-
-@pytest.fixture(scope='module')
-def comm():
-    return chainermn.create_communicator('naive')
 
 
 def _all_raised(comm, excinfo_ok):

@@ -36,16 +36,6 @@ ACTUALS = {
 }
 
 
-@pytest.fixture(scope='module')
-def impl():
-    return eq.implementation_under_test()
-
-
-@pytest.fixture(scope='module')
-def comm():
-    return eq.get_communicator()
-
-
 class Net(chainer.Chain):
     """``extra`` is used when present; ``late`` is lazily initialised."""
 

@@ -24,30 +24,22 @@ import chainermn
 import chainermn_overlap
 from chainermn_overlap.communication import emulated
 from chainermn_overlap.testing import equivalence as eq
+from chainermn_overlap.testing import models
 
 TOL = dict(rtol=1e-5, atol=1e-6)
 STEPS = 7
 
 
-class MLP(chainer.Chain):
+class MLP(models.MLP):
+    """The shared 5-8-3 ReLU MLP plus a link that forward never uses."""
 
     def __init__(self):
-        super().__init__()
+        super().__init__(5, 8, 3, n_layers=2)
         with self.init_scope():
-            self.l1 = L.Linear(5, 8)
-            self.l2 = L.Linear(8, 3)
             # Never used in forward: its gradient is None on every rank and
             # must count as zeros, as ChainerMN's zero_fill=True does (Adam
             # then still updates it; the reference must agree).
             self.unused = L.Linear(2, 2)
-
-    def forward(self, x):
-        return self.l2(F.relu(self.l1(x)))
-
-
-@pytest.fixture(scope='module')
-def comm():
-    return eq.get_communicator()
 
 
 def make_model(seed=0):

@@ -39,7 +39,7 @@ from chainer.training import extensions
 import chainermn
 
 from chainermn_overlap.testing import equivalence as eq
-from chainermn_overlap.testing.equivalence import MLP
+from chainermn_overlap.testing.models import MLP
 
 SGD_TOL = dict(rtol=1e-5, atol=1e-6)
 ADAM_TOL = dict(rtol=1e-4, atol=1e-5)
@@ -56,16 +56,6 @@ def mode(wait):
     if wait.endswith('+default_bucket'):
         return wait.split('+')[0], {}
     return wait, {'bucket_size': SMALL_BUCKET}
-
-
-@pytest.fixture(scope='module')
-def impl():
-    return eq.implementation_under_test()
-
-
-@pytest.fixture(scope='module')
-def comm():
-    return eq.get_communicator()
 
 
 @pytest.fixture(params=WAITS)

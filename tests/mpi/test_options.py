@@ -1,34 +1,21 @@
 """Options: gradients in float16 on the wire, bucket sizes, backends."""
 import chainer
-import chainer.functions as F
-import chainer.links as L
 import chainermn
 import numpy as np
 import pytest
 
 import chainermn_overlap
+from chainermn_overlap.testing import models
 
 
-@pytest.fixture(scope='module')
-def comm():
-    return chainermn.create_communicator('naive')
-
-
-class MLP(chainer.Chain):
-
-    def __init__(self):
-        super().__init__()
-        with self.init_scope():
-            self.l1 = L.Linear(6, 16)
-            self.l2 = L.Linear(16, 4)
-
-    def forward(self, x):
-        return F.sum(F.tanh(self.l2(F.relu(self.l1(x)))))
+def _mlp():
+    # 6-16-4, ReLU, loss sum(tanh(y)) inside forward.
+    return models.MLP(6, 16, 4, n_layers=2, loss=models.sum_of_tanh)
 
 
 def _run(comm, make, steps=5):
     np.random.seed(3)
-    model = MLP()
+    model = _mlp()
     opt = make(chainer.optimizers.MomentumSGD(0.05))
     opt.setup(model)
     for i in range(steps):

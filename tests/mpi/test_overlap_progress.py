@@ -10,28 +10,15 @@ the measurement can fail.
 import os
 
 import chainer
-import chainer.functions as F
-import chainer.links as L
-import chainermn
 import numpy as np
 import pytest
 
 import chainermn_overlap
-
-
-class Deep(chainer.ChainList):
-
-    def __init__(self, n, width):
-        super().__init__(*[L.Linear(width, width) for _ in range(n)])
-
-    def forward(self, x):
-        for link in self:
-            x = F.relu(link(x))
-        return F.sum(x * x)
+from chainermn_overlap.testing import models
 
 
 def _measure(comm, wait, bucket_size, iterations=7, warmup=2):
-    model = Deep(8, 1024)
+    model = models.Deep(8, 1024, loss=models.sum_of_squares)
     opt = chainermn_overlap.create_overlapped_optimizer(
         chainer.optimizers.SGD(1e-7), comm, wait=wait,
         bucket_size=bucket_size).setup(model)
@@ -44,11 +31,6 @@ def _measure(comm, wait, bucket_size, iterations=7, warmup=2):
     stats = opt.communication_stats()
     opt.close()
     return stats
-
-
-@pytest.fixture(scope='module')
-def comm():
-    return chainermn.create_communicator('naive')
 
 
 def test_reductions_are_hidden_behind_compute(comm):

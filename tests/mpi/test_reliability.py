@@ -18,14 +18,9 @@ from chainer import serializers
 import chainermn_overlap
 from chainermn_overlap.communication import backends
 from chainermn_overlap.testing import equivalence as eq
-from chainermn_overlap.testing.equivalence import MLP
+from chainermn_overlap.testing.models import MLP
 
 SGD_TOL = dict(rtol=1e-5, atol=1e-6)
-
-
-@pytest.fixture(scope='module')
-def comm():
-    return eq.get_communicator()
 
 
 def build(seed=0, **kwargs):
@@ -224,18 +219,6 @@ LONG_STEPS = {4: 2000}
 CHECK_EVERY = 100
 
 
-class Tiny(chainer.Chain):
-
-    def __init__(self):
-        super().__init__()
-        with self.init_scope():
-            self.l1 = L.Linear(4, 8)
-            self.l2 = L.Linear(8, 2)
-
-    def forward(self, x):
-        return self.l2(F.tanh(self.l1(x)))
-
-
 def test_long_run_identical_across_ranks_and_to_chainermn(comm):
     """2,000 iterations; every 100: identical across ranks, equal to ChainerMN.
 
@@ -255,7 +238,7 @@ def test_long_run_identical_across_ranks_and_to_chainermn(comm):
     ts = rng.randint(0, 2, size=(steps, comm.size * 2)).astype(np.int32)
     lo, hi = comm.rank * 2, comm.rank * 2 + 2
     eq.seed_for_rank(44)
-    template = L.Classifier(Tiny())
+    template = L.Classifier(MLP(4, 8, 2, n_layers=2, activation=F.tanh))
     ours = copy.deepcopy(template)
     ref = copy.deepcopy(template)
     opt = chainermn_overlap.create_overlapped_optimizer(

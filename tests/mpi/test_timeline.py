@@ -3,28 +3,10 @@ import json
 
 import chainer
 import chainer.functions as F
-import chainer.links as L
-import chainermn
 import numpy as np
-import pytest
 
 import chainermn_overlap
-
-
-class Deep(chainer.ChainList):
-
-    def __init__(self):
-        super().__init__(*[L.Linear(64, 64) for _ in range(4)])
-
-    def forward(self, x):
-        for link in self:
-            x = F.relu(link(x))
-        return F.sum(x)
-
-
-@pytest.fixture(scope='module')
-def comm():
-    return chainermn.create_communicator('naive')
+from chainermn_overlap.testing.models import Deep
 
 
 def test_timeline_records_the_iteration(comm, tmp_path_factory):
@@ -32,7 +14,8 @@ def test_timeline_records_the_iteration(comm, tmp_path_factory):
     path = comm.mpi_comm.bcast(
         str(tmp_path_factory.mktemp('trace') / 'trace.json')
         if comm.rank == 0 else None)
-    model = Deep()
+    # 4 x Linear(64, 64), loss sum(relu(h)).
+    model = Deep(4, 64, loss=F.sum)
     opt = chainermn_overlap.create_overlapped_optimizer(
         chainer.optimizers.SGD(0.01), comm, bucket_size=64 * 65 * 4,
         timeline=path).setup(model)

@@ -29,6 +29,7 @@ import chainer.links as L
 import chainermn
 
 import chainermn_overlap
+from chainermn_overlap.testing import models
 
 
 class _Fault(chainer.FunctionNode):
@@ -45,15 +46,12 @@ class _Fault(chainer.FunctionNode):
         return grad_outputs
 
 
-class MLP(chainer.Chain):
+class MLP(models.MLP):
+    """The shared MLP (16-32-32-4, ReLU) with a fault between l1 and l2."""
 
     def __init__(self, fault=None):
-        super().__init__()
+        super().__init__(16, 32, 4, n_layers=3)
         self.fault = fault
-        with self.init_scope():
-            self.l1 = L.Linear(16, 32)
-            self.l2 = L.Linear(32, 32)
-            self.l3 = L.Linear(32, 4)
 
     def forward(self, x):
         h = F.relu(self.l1(x))

@@ -1,12 +1,11 @@
 """Helpers shared by the distconv MPI tests (collective assertions, grids)."""
 import chainer
-import chainermn
 import numpy as np
 import pytest
 
 from chainermn_overlap import distconv
+from chainermn_overlap.testing import equivalence as eq
 
-_COMM = []
 _GRIDS = {}
 
 GRIDS_2D = [(1, 1), (2, 1), (1, 2), (2, 2), (4, 1), (1, 4), (3, 1), (1, 3)]
@@ -14,9 +13,11 @@ GRIDS_3D = [(1, 1, 1), (2, 1, 1), (1, 2, 2), (1, 1, 2)]
 
 
 def comm():
-    if not _COMM:
-        _COMM.append(chainermn.create_communicator('naive'))
-    return _COMM[0]
+    """The session-wide communicator (the ``comm`` fixture's object).
+
+    A function rather than a fixture: some tests need it at collection time.
+    """
+    return eq.get_communicator()
 
 
 def grid(shape):
