@@ -523,8 +523,7 @@ class AutoSnapshot(extension_module.Extension):
         self.mpi_comm.Barrier()
 
     def _warn(self, message):
-        logger.warning(message)
-        warnings.warn(message, SnapshotWarning, stacklevel=3)
+        warnings.warn(message, SnapshotWarning, stacklevel=2)
 
     def _event(self, event, **fields):
         if self.rank != 0 or self._progress_path is None:

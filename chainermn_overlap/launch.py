@@ -127,9 +127,10 @@ class AttemptResult(object):
         elif 'abort' in f:
             rank, exc = f['abort']
             text = 'rank {} raised {}'.format(rank, exc)
-            detail = f.get('error_line')
-            if detail and detail[0].split('.')[-1] == exc:
-                text += ' ({})'.format(_short(detail[1]))
+            for name, message in f.get('error_lines', ()):
+                if name.split('.')[-1] == exc:
+                    text += ' ({})'.format(_short(message))
+                    break
             parts.append(text)
         elif 'timeout' in f:
             rank, waited, what = f['timeout']
@@ -141,7 +142,16 @@ class AttemptResult(object):
         if 'not_posted' in f:
             parts.append('rank {} was stuck (never posted)'.format(
                 f['not_posted'][0]))
-        if 'bad_pid' in f and 'abort' not in f and 'mpi_abort' not in f:
+        death = f.get('first_death')
+        if death is not None and 'abort' not in f and 'mpi_abort' not in f:
+            who = 'rank {} (pid {})'.format(death['rank'], death['pid'])
+            if 'signal' in death:
+                parts.append('{} was killed by {}'.format(
+                    who, _signal_name(death['signal'])))
+            else:
+                parts.append('{} exited with code {}'.format(
+                    who, death['exit']))
+        elif 'bad_pid' in f and 'abort' not in f and 'mpi_abort' not in f:
             pid = int(f['bad_pid'][0])
             rank = self.pid_ranks.get(pid)
             who = 'rank {} (pid {})'.format(rank, pid) if rank is not None \
@@ -235,7 +245,11 @@ class Launcher(object):
         env[RESTART_ENV] = str(attempt)
         env[PROGRESS_ENV] = progress_path
         env.setdefault(ABORT_ENV, '1')
+        env[DEATHS_ENV] = progress_path + '.deaths'
+        # This file, run by path (it imports only the standard library),
+        # as each rank's parent: see _rank_main.
         cmd = ([self.mpiexec, '-n', str(size)] + self.mpiexec_args
+               + [sys.executable, os.path.abspath(__file__), _RANK_FLAG]
                + self.command)
         t0 = time.monotonic()
         proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE,
@@ -258,9 +272,14 @@ class Launcher(object):
                     m = pattern.search(line)
                     if m:
                         with lock:
-                            # The first report wins, except error lines
-                            # (the last one is the exception's own).
-                            if key == 'error_line' or key not in facts:
+                            # The first report of each kind wins; error
+                            # lines are all kept (a few), to find the one of
+                            # the exception that aborted.
+                            if key == 'error_line':
+                                lines = facts.setdefault('error_lines', [])
+                                if len(lines) < 50:
+                                    lines.append(m.groups())
+                            elif key not in facts:
                                 facts[key] = m.groups()
             src.close()
 
@@ -282,6 +301,13 @@ class Launcher(object):
         for t in pumps:
             t.join(timeout=5.0)
         self._proc = None
+        deaths = _read_events(env[DEATHS_ENV], None)
+        try:
+            os.unlink(env[DEATHS_ENV])
+        except OSError:
+            pass
+        if deaths:
+            facts['first_death'] = min(deaths, key=lambda d: d['time'])
         return AttemptResult(attempt, size, proc.returncode,
                              time.monotonic() - t0, facts, pid_ranks,
                              _read_events(progress_path, attempt),
@@ -423,7 +449,7 @@ def _read_events(path, attempt):
                     e = json.loads(line)
                 except ValueError:
                     continue   # a line cut short by a kill
-                if e.get('attempt') == attempt:
+                if attempt is None or e.get('attempt') == attempt:
                     out.append(e)
     except OSError:
         pass
@@ -477,6 +503,59 @@ def _reap():
             return
 
 
+_RANK_FLAG = '--as-rank'
+DEATHS_ENV = 'CHAINERMN_OVERLAP_LAUNCH_DEATHS'
+_PR_SET_PDEATHSIG = 1
+
+
+def _rank_main(command):
+    """Runs one rank's ``command`` as a child and reports its abnormal end.
+
+    MPICH's process manager names the wrong process when one rank dies
+    (the first of its list that ended badly, after it killed the others),
+    so each rank runs under this small parent: when the child dies by a
+    signal or exits non-zero, it appends a line to the launcher's deaths
+    file first.  The child dies with its parent (PR_SET_PDEATHSIG), so
+    killing the parent still ends the rank.
+    """
+    pid = os.fork()
+    if pid == 0:
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+            if os.getppid() == 1:
+                os._exit(1)
+            os.execvp(command[0], command)
+        finally:
+            os._exit(127)
+    # Signals for the rank go to the rank; this parent only waits.
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, lambda num, frame, pid=pid: _kill_all([pid], num))
+    while True:
+        try:
+            _, status = os.waitpid(pid, 0)
+            break
+        except InterruptedError:
+            continue
+    code = os.waitstatus_to_exitcode(status)
+    if code != 0 and os.environ.get(DEATHS_ENV):
+        record = {'rank': int(os.environ.get('PMI_RANK', -1)), 'pid': pid,
+                  'time': time.time()}
+        if code < 0:
+            record['signal'] = -code
+        else:
+            record['exit'] = code
+        try:
+            with open(os.environ[DEATHS_ENV], 'a') as f:
+                f.write(json.dumps(record) + '\n')
+        except OSError:
+            pass
+    if code < 0:
+        signal.signal(-code, signal.SIG_DFL)
+        os.kill(os.getpid(), -code)
+    return code if code >= 0 else 128 - code
+
+
 def _parser():
     p = argparse.ArgumentParser(
         prog='python -m chainermn_overlap.launch',
@@ -517,6 +596,9 @@ def _parser():
 
 def main(argv=None):
     """Command-line entry point; returns the exit status."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] == _RANK_FLAG:
+        return _rank_main(argv[1:])
     args = _parser().parse_args(argv)
     if not logging.getLogger().handlers:
         logging.basicConfig(
