@@ -128,15 +128,23 @@ from chainermn_overlap.distconv.normalization import (  # NOQA
 from chainermn_overlap.distconv.redistribute import sample_share  # NOQA
 from chainermn_overlap.distconv.redistribute import to_sample_layout  # NOQA
 from chainermn_overlap.distconv.redistribute import to_spatial_layout  # NOQA
+from chainermn_overlap.distconv.params import check_replicated  # NOQA
+from chainermn_overlap.distconv.params import load_serial_params  # NOQA
+from chainermn_overlap.distconv.params import ReductionGroup  # NOQA
+from chainermn_overlap.distconv.params import reduction_groups  # NOQA
+from chainermn_overlap.distconv.params import store_serial_params  # NOQA
+from chainermn_overlap.distconv.tiling import Tiled  # NOQA
 from chainermn_overlap.distconv import geometry  # NOQA
 from chainermn_overlap.distconv import tuner  # NOQA
 from chainermn_overlap.distconv.tuner import tune  # NOQA
 
 __all__ = [
-    'BatchNormalization', 'Convolution2D', 'ConvolutionND', 'RegionExchange',
-    'RegionExchangeAdjoint', 'SpatialGrid', 'average_pooling_2d',
-    'average_pooling_nd', 'batch_normalization', 'convolution_2d',
-    'convolution_nd', 'geometry', 'global_average_pooling', 'max_pooling_2d',
-    'max_pooling_nd', 'region_exchange', 'sample_share', 'to_sample_layout',
-    'to_spatial_layout', 'tune', 'tuner',
+    'BatchNormalization', 'Convolution2D', 'ConvolutionND', 'ReductionGroup',
+    'RegionExchange', 'RegionExchangeAdjoint', 'SpatialGrid', 'Tiled',
+    'average_pooling_2d', 'average_pooling_nd', 'batch_normalization',
+    'check_replicated', 'convolution_2d', 'convolution_nd', 'geometry',
+    'global_average_pooling', 'load_serial_params', 'max_pooling_2d',
+    'max_pooling_nd', 'reduction_groups', 'region_exchange', 'sample_share',
+    'store_serial_params', 'to_sample_layout', 'to_spatial_layout', 'tune',
+    'tuner',
 ]

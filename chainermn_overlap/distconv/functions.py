@@ -21,6 +21,7 @@ import chainer.functions as F
 import numpy
 
 from chainermn_overlap.distconv import _comm
+from chainermn_overlap.distconv import channels as channels_mod
 from chainermn_overlap.distconv import exchange
 from chainermn_overlap.distconv import geometry
 
@@ -199,11 +200,15 @@ def _check_grid_ndim(grid, ndim, layer):
             % (layer, ndim, grid.shape, grid.ndim, ndim))
 
 
+_SPLITS = ('spatial', 'filter', 'channel')
+
+
 def convolution_nd(grid: SpatialGrid, x: Input, W: Input,
                    b: Optional[Input] = None, stride: IntOrTuple = 1,
                    pad: IntOrTuple = 0, cover_all: bool = False,
                    dilate: IntOrTuple = 1, groups: int = 1,
-                   _layer: Optional[str] = None) -> chainer.Variable:
+                   _layer: Optional[str] = None, split: str = 'spatial',
+                   _totals: Optional[tuple] = None) -> chainer.Variable:
     """Spatially distributed N-dimensional convolution.
 
     Mirrors :func:`chainer.functions.convolution_nd` with the grid first.
@@ -212,26 +217,51 @@ def convolution_nd(grid: SpatialGrid, x: Input, W: Input,
 
     Args:
         grid (SpatialGrid): The process grid; ``grid.ndim`` spatial dims.
-        x: This process's block ``(N, C, *block)``.
-        W: Filter ``(C_out, C / groups, *ksize)``, the same on every process.
-        b: Optional bias ``(C_out,)``.
+        x: This process's block ``(N, C, *block)`` (``C``: this process's
+            channel block with ``split='channel'``, all channels otherwise).
+        W: Filter ``(C_out, C / groups, *ksize)``, the same on every process
+            with ``split='spatial'``; this process's block of the output
+            channels (``'filter'``) or of the input channels (``'channel'``)
+            otherwise (:meth:`SpatialGrid.channel_range`).
+        b: Optional bias ``(C_out,)``: this process's block with
+            ``'filter'``, whole otherwise (with ``'channel'`` it is added
+            once, after the partial sums are reduced).
         stride, pad, dilate (int or tuple): As in Chainer; any pad >= 0
             (also larger than the kernel radius).
         cover_all (bool): As in Chainer.
-        groups (int): Number of channel groups.
+        groups (int): Number of channel groups (1 unless ``'spatial'``).
+        split (str): ``'spatial'``, ``'filter'`` (input channels whole,
+            output channels split over the grid's channel axis) or
+            ``'channel'`` (input channels split, output whole: partial sums
+            reduced over the channel axis). Spatial blocks and halos work
+            the same in all three.
 
     Returns:
-        chainer.Variable: This process's block of the output.
+        chainer.Variable: This process's block of the output (its block of
+        the output channels with ``'filter'``).
 
     Raises:
         ValueError: On a bad layout or arguments (on every process).
     """
     layer = _layer or 'distconv.convolution_nd'
+    if split not in _SPLITS:
+        raise ValueError("%s: split must be 'spatial', 'filter' or "
+                         "'channel', got %r" % (layer, split))
     x = chainer.as_variable(x)
     W = chainer.as_variable(W)
-    sig = (layer, _shape_of(W), _shape_of(b), repr(stride), repr(pad),
+    if split == 'spatial':
+        wsig, bsig = _shape_of(W), _shape_of(b)
+    elif split == 'filter':
+        # The blocks differ between channel coordinates; the totals (from a
+        # link) or the shapes they share are what must agree.
+        wsig, bsig = (_totals, _shape_of(W)[1:]), b is None
+    else:
+        wsig, bsig = (_totals, _shape_of(W)[:1] + _shape_of(W)[2:]), \
+            _shape_of(b)
+    sig = (layer, split, wsig, bsig, repr(stride), repr(pad),
            bool(cover_all), repr(dilate), repr(groups))
-    layout = grid.check_spatial(x, layer, sig)
+    layout = grid.check_spatial(x, layer, sig,
+                                channel_split=(split == 'channel'))
     ndim = grid.ndim
     if W.ndim != 2 + ndim:
         raise ValueError('%s: W must have shape (C_out, C_in/groups, %d '
@@ -244,38 +274,61 @@ def convolution_nd(grid: SpatialGrid, x: Input, W: Input,
     if not isinstance(groups, (int, numpy.integer)) or groups < 1:
         raise ValueError('%s: groups must be a positive int, got %r'
                          % (layer, groups))
-    c_out, c_in = W.shape[0], W.shape[1] * groups
-    if layout.channels != c_in or c_out % groups:
+    if split != 'spatial' and groups != 1:
         raise ValueError(
-            '%s: input has %d channels but W %r with groups=%d expects %d '
+            "%s: split=%r needs groups=1 (got %d): channel blocks would "
+            "have to align with the groups. Use split='spatial' for grouped "
+            "convolutions." % (layer, split, groups))
+    c_out, c_in = W.shape[0], W.shape[1] * groups
+    if split == 'channel':
+        c_in = x.shape[1]
+    if x.shape[1] != c_in or c_out % groups:
+        raise ValueError(
+            '%s: input has %d channels%s but W %r with groups=%d expects %d '
             '(and C_out divisible by groups). Match in_channels to the '
-            'input.' % (layer, layout.channels, W.shape, groups, c_in))
+            'input.' % (layer, x.shape[1],
+                        ' here' if split == 'channel' else '', W.shape,
+                        groups, W.shape[1] * groups))
+    if split == 'channel' and W.shape[1] != x.shape[1]:
+        raise ValueError(
+            "%s: split='channel' needs W's block of input channels to match "
+            'the input block: W %r, input with %d channels on channel '
+            'coordinate %d. Hold W[:, grid.channel_range(C_in)].'
+            % (layer, W.shape, x.shape[1], grid.channel_rank))
+    reduce_channels = split == 'channel' and grid.channels > 1
+    b_in = None if reduce_channels else b
 
     def op(x_in, in_box):
         # in_box None: whole samples, the layer's own padding (1 process
         # per sample group); otherwise a box that already holds the padding.
         p, ca = (pad, cover_all) if in_box is None else (0, False)
         if ndim == 2:
-            return F.convolution_2d(x_in, W, b, stride, p, ca,
+            return F.convolution_2d(x_in, W, b_in, stride, p, ca,
                                     dilate=dilate, groups=groups)
-        return F.convolution_nd(x_in, W, b, stride, p, ca, dilate=dilate,
+        return F.convolution_nd(x_in, W, b_in, stride, p, ca, dilate=dilate,
                                 groups=groups)
 
-    params = (W,) + ((b,) if b is not None else ())
-    return _window_apply(grid, x, layer, layout, ksize, stride, pad, dilate,
-                         cover_all, 0, op, c_out, params)
+    params = (W,) + ((b_in,) if b_in is not None else ())
+    y = _window_apply(grid, x, layer, layout, ksize, stride, pad, dilate,
+                      cover_all, 0, op, c_out, params)
+    if reduce_channels:
+        y = channels_mod.ChannelAllreduce(grid).apply((y,))[0]
+        if b is not None:
+            y = F.bias(y, b, axis=1)
+    return y
 
 
 def convolution_2d(grid: SpatialGrid, x: Input, W: Input,
                    b: Optional[Input] = None, stride: IntOrTuple = 1,
                    pad: IntOrTuple = 0, cover_all: bool = False,
                    dilate: IntOrTuple = 1, groups: int = 1,
-                   _layer: Optional[str] = None) -> chainer.Variable:
+                   _layer: Optional[str] = None, split: str = 'spatial',
+                   _totals: Optional[tuple] = None) -> chainer.Variable:
     """Spatially distributed 2-D convolution (see :func:`convolution_nd`)."""
     layer = _layer or 'distconv.convolution_2d'
     _check_grid_ndim(grid, 2, layer)
     return convolution_nd(grid, x, W, b, stride, pad, cover_all, dilate,
-                          groups, _layer=layer)
+                          groups, _layer=layer, split=split, _totals=_totals)
 
 
 def _pool_args(grid, layer, ksize, stride, pad):

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import collections
 import hashlib
-from typing import TYPE_CHECKING, Any, List, Sequence, Tuple, Union
+from typing import TYPE_CHECKING, Any, List, Optional, Sequence, Tuple, Union
 
 import chainer
 from chainer import backend
@@ -30,21 +30,34 @@ def axis_names(ndim: int) -> Tuple[str, ...]:
 
 
 Layout = collections.namedtuple(
-    'Layout', ['spatial_shape', 'group_samples', 'channels'])
+    'Layout', ['spatial_shape', 'group_samples', 'channels',
+               'channel_counts'], defaults=(None,))
 Layout.__doc__ = """Global description of a spatially distributed tensor.
 
 Attributes:
     spatial_shape (tuple of int): Global spatial extent.
     group_samples (list of int): Number of samples held by each sample group.
-    channels (int): Number of channels (axis 1).
+    channels (int): Number of channels (axis 1): the global count for a
+        tensor whose channels are split over the grid's channel axis, the
+        common count when they are not, and this process's count when the
+        check did not care (``channel_split=None``).
+    channel_counts (tuple of int): Channels held at each channel
+        coordinate (one entry when the grid has no channel axis).
 """
 
 
 class SpatialGrid(object):
     """A grid of processes splitting the spatial dimensions of samples.
 
-    The communicator's processes form ``comm.size // prod(shape)`` sample
-    groups of ``prod(shape)`` consecutive ranks each. Within a group, the
+    The communicator's processes form ``comm.size // (channels *
+    prod(shape))`` sample groups of ``channels * prod(shape)`` consecutive
+    ranks each; inside a group, ``channels`` channel blocks of
+    ``prod(shape)`` consecutive ranks each (rank ``= (group * channels +
+    channel_rank) * prod(shape) + spatial_rank``). Channels are split in
+    balanced blocks (:func:`geometry.block_range`, the rule of spatial
+    blocks: the first ``n % channels`` blocks one larger); a tensor either
+    has its channels split (channel coordinate ``c`` holds block ``c``) or
+    holds all of them on every channel coordinate (a replicated copy). Within a group, the
     process with spatial rank ``s`` (row-major over ``shape``) owns the
     balanced block (:func:`geometry.block_range`) of every spatial dimension
     at its grid coordinates; sample groups split the global batch into
@@ -84,16 +97,29 @@ class SpatialGrid(object):
             times channels, per process) a piece must have; smaller layers
             use fewer pieces, as each piece costs a few Chainer calls.
             Default 32768.
+        channels (int): Processes along the channel axis (default 1): the
+            processes that hold different channel blocks (or filter
+            blocks) of the same samples and spatial block.
 
     Attributes:
         shape (tuple of int): The grid shape.
         ndim (int): Number of spatial dimensions.
         size (int): Number of processes in the communicator.
         rank (int): This process's rank in the communicator.
-        spatial_size (int): Processes per sample group, ``prod(shape)``.
+        spatial_size (int): Processes per spatial grid, ``prod(shape)``.
+        channels (int): Processes along the channel axis.
+        channel_rank (int): This process's channel coordinate.
         n_groups (int): Number of sample groups.
         group (int): This process's sample group.
-        spatial_rank (int): This process's rank inside its group.
+        spatial_rank (int): This process's rank inside its spatial grid.
+        mpi_spatial: mpi4py communicator of the processes of this spatial
+            grid (same sample group and channel coordinate).
+        mpi_channel: mpi4py communicator of the channel axis (same sample
+            group and spatial rank; rank = channel coordinate).
+        mpi_data: mpi4py communicator of every process with this channel
+            coordinate (all sample groups and spatial ranks; rank = ``group
+            * prod(shape) + spatial_rank``): batch statistics and the
+            gradients of channel-split parameters are reduced over it.
         coords (tuple of int): This process's grid coordinates.
         overlap (bool): See the argument.
         progress_pieces (int): See the argument; can be changed between
@@ -116,7 +142,8 @@ class SpatialGrid(object):
     def __init__(self, comm: Any, shape: Sequence[int],
                  overlap: bool = True, check: str = 'cached',
                  progress_pieces: int = 4,
-                 progress_min_cells: int = 32768) -> None:
+                 progress_min_cells: int = 32768,
+                 channels: int = 1) -> None:
         mpi_comm = getattr(comm, 'mpi_comm', comm)
         try:
             shape = tuple(int(s) for s in shape)
@@ -130,7 +157,20 @@ class SpatialGrid(object):
                 'distconv.SpatialGrid: shape must be a non-empty tuple of '
                 'positive process counts, got %r' % (shape,))
         size = mpi_comm.Get_size()
+        if not isinstance(channels, (int, numpy.integer)) or channels < 1:
+            raise ValueError(
+                'distconv.SpatialGrid: channels must be a positive int (the '
+                'number of processes along the channel axis), got %r'
+                % (channels,))
+        channels = int(channels)
         spatial = geometry.grid_size(shape)
+        if channels > 1 and size % (spatial * channels) != 0:
+            raise ValueError(
+                'distconv.SpatialGrid: grid shape %r with channels=%d needs '
+                'a multiple of %d processes (sample groups x channels x '
+                'prod(shape)), but the communicator has %d. Choose shape '
+                'and channels whose product divides %d.'
+                % (shape, channels, spatial * channels, size, size))
         if size % spatial != 0:
             raise ValueError(
                 'distconv.SpatialGrid: grid shape %r needs a multiple of %d '
@@ -144,8 +184,10 @@ class SpatialGrid(object):
         self.size = size
         self.rank = mpi_comm.Get_rank()
         self.spatial_size = spatial
-        self.n_groups = size // spatial
-        self.group = self.rank // spatial
+        self.channels = channels
+        self.n_groups = size // (spatial * channels)
+        self.group = self.rank // (spatial * channels)
+        self.channel_rank = (self.rank // spatial) % channels
         self.spatial_rank = self.rank % spatial
         self.coords = geometry.grid_coords(shape, self.spatial_rank)
         if check not in ('cached', 'always'):
@@ -168,11 +210,36 @@ class SpatialGrid(object):
         # reductions can never match messages of the user or of a
         # gradient-communication thread that uses the original communicator.
         self.mpi_world = mpi_comm.Dup()
-        self.mpi_spatial = mpi_comm.Split(self.group, self.spatial_rank)
+        self.mpi_spatial = mpi_comm.Split(
+            self.group * channels + self.channel_rank, self.spatial_rank)
+        self.mpi_channel = mpi_comm.Split(
+            self.group * spatial + self.spatial_rank, self.channel_rank)
+        self.mpi_data = mpi_comm.Split(
+            self.channel_rank, self.group * spatial + self.spatial_rank)
 
     def __repr__(self):
+        if self.channels > 1:
+            return 'SpatialGrid(shape=%r, channels=%d, groups=%d, rank=%d)' \
+                % (self.shape, self.channels, self.n_groups, self.rank)
         return 'SpatialGrid(shape=%r, groups=%d, rank=%d)' % (
             self.shape, self.n_groups, self.rank)
+
+    def world_rank(self, group: int, channel_rank: int,
+                   spatial_rank: int) -> int:
+        """Rank in the communicator of grid position (group, c, s)."""
+        return ((group * self.channels + channel_rank) * self.spatial_size
+                + spatial_rank)
+
+    def channel_range(self, n: int, channel_rank: int = None
+                      ) -> geometry.Interval:
+        """Channels ``[lo, hi)`` of ``n`` held at a channel coordinate.
+
+        Args:
+            n (int): Global number of channels.
+            channel_rank (int): The coordinate (default: this process's).
+        """
+        c = self.channel_rank if channel_rank is None else channel_rank
+        return geometry.block_range(n, self.channels, c)
 
     # Links holding a grid get copied (Link.copy, deepcopy in evaluators);
     # the grid is a shared handle to communicators and must not be cloned.
@@ -202,7 +269,24 @@ class SpatialGrid(object):
         info = (tuple(int(s) for s in arr.shape), str(arr.dtype), signature)
         return _mpi_json.allgather_json(self.mpi_world, info, tuples=True)
 
-    def _check_common(self, infos, layer):
+    def _coord_of(self, world_rank):
+        """(group, channel_rank, spatial_rank) of a communicator rank."""
+        P, C = self.spatial_size, self.channels
+        return world_rank // (P * C), (world_rank // P) % C, world_rank % P
+
+    def _check_common(self, infos, layer, channel_split=False):
+        """Checks what every layout shares; returns the channel counts.
+
+        Args:
+            channel_split: True if the channels are split over the channel
+                axis (coordinate ``c`` holds block ``c``), False if every
+                process holds the same channels, None if only processes of
+                the same channel coordinate must agree (element-wise and
+                window operations, which treat channels independently).
+
+        Returns:
+            tuple of int: Channels held at each channel coordinate.
+        """
         names = axis_names(self.ndim)
         for r, (shape, _, _) in enumerate(infos):
             if len(shape) != 2 + self.ndim:
@@ -222,16 +306,49 @@ class SpatialGrid(object):
                     % (layer, sig0, r, sig))
         dtype0 = infos[0][1]
         ch0 = infos[0][0][1]
+        C = self.channels
+        counts = tuple(infos[self.world_rank(0, c, 0)][0][1]
+                       for c in range(C))
         for r, (shape, dtype, _) in enumerate(infos):
-            if dtype != dtype0 or shape[1] != ch0:
+            c = self._coord_of(r)[1]
+            want = ch0 if channel_split is False else counts[c]
+            if dtype != dtype0 or shape[1] != want:
+                if C == 1:
+                    raise ValueError(
+                        '%s: rank 0 passed %d channels of %s but rank %d '
+                        'passed %d channels of %s. All processes must hold '
+                        'the same channels and dtype.'
+                        % (layer, ch0, dtype0, r, shape[1], dtype))
                 raise ValueError(
-                    '%s: rank 0 passed %d channels of %s but rank %d passed '
-                    '%d channels of %s. All processes must hold the same '
-                    'channels and dtype.'
-                    % (layer, ch0, dtype0, r, shape[1], dtype))
+                    '%s: rank %d (channel coordinate %d) passed %d channels '
+                    'of %s, but %s holds %d channels of %s. %s'
+                    % (layer, r, c, shape[1], dtype,
+                       'rank 0' if channel_split is False
+                       else 'channel coordinate %d of group 0' % c,
+                       want, dtype0,
+                       'This layer takes channels that are not split: every '
+                       'process must hold all of them (use a layer with '
+                       "split='filter' before a split='channel' one, or "
+                       'grid.scatter(x, channel_split=False)).'
+                       if channel_split is False else
+                       'Processes of one channel coordinate must hold the '
+                       'same channels and dtype.'))
+        if channel_split:
+            total = sum(counts)
+            expect = tuple(geometry.block_sizes(total, C))
+            if counts != expect:
+                raise ValueError(
+                    '%s: expects channels split over the %d channel '
+                    'coordinates, but they hold %r channels, not the '
+                    'balanced split %r of %d. Feed it the output of a '
+                    "split='filter' layer or grid.scatter(x, "
+                    'channel_split=True).' % (layer, C, list(counts),
+                                              list(expect), total))
+        return counts
 
     def check_spatial(self, x: Input, layer: str,
-                      signature: tuple = ()) -> Layout:
+                      signature: tuple = (),
+                      channel_split: Optional[bool] = None) -> Layout:
         """Checks that ``x`` is a block of the spatial layout (collective).
 
         Every process must call this with its block. All processes receive
@@ -243,6 +360,10 @@ class SpatialGrid(object):
             layer (str): Name used in error messages.
             signature (tuple): Picklable arguments that must agree across
                 processes (kernel sizes, parameter shapes, ...).
+            channel_split (bool or None): Whether the channels must be
+                split over the channel axis (True), held whole everywhere
+                (False), or may be either (None: only processes of one
+                channel coordinate must agree).
 
         Returns:
             Layout: The global description of the tensor.
@@ -250,8 +371,10 @@ class SpatialGrid(object):
         Raises:
             ValueError: If the blocks do not form the grid's layout.
         """
-        return self._cached_check('spatial', x, layer, signature,
-                                  self._check_spatial_full)
+        return self._cached_check(
+            ('spatial', channel_split), x, layer, signature,
+            lambda x, layer, sig: self._check_spatial_full(
+                x, layer, sig, channel_split))
 
     def _cached_check(self, kind, x, layer, signature, full):
         """Runs ``full`` unless every rank has this geometry validated.
@@ -297,63 +420,75 @@ class SpatialGrid(object):
             self._layout_cache[key] = (result, fp)
         return result
 
-    def _check_spatial_full(self, x, layer, signature):
+    def _check_spatial_full(self, x, layer, signature, channel_split=None):
         infos = self._gather_info(x, layer, signature)
-        self._check_common(infos, layer)
+        counts = self._check_common(infos, layer, channel_split)
         names = axis_names(self.ndim)
         P = self.spatial_size
         group_samples = []
         spatial_shape = None
         for g in range(self.n_groups):
-            shapes = [infos[g * P + s][0] for s in range(P)]
-            n0 = shapes[0][0]
-            for s, shp in enumerate(shapes):
-                if shp[0] != n0:
-                    raise ValueError(
-                        '%s: ranks %d and %d of sample group %d hold %d and '
-                        '%d samples. The processes of a sample group must '
-                        'hold the same samples; split the batch with '
-                        'grid.scatter or grid.sample_range.'
-                        % (layer, g * P, g * P + s, g, n0, shp[0]))
-            group_samples.append(n0)
-            gshape = []
-            for d in range(self.ndim):
-                by_coord = {}
-                for s, shp in enumerate(shapes):
-                    c = geometry.grid_coords(self.shape, s)[d]
-                    size = shp[2 + d]
-                    if by_coord.setdefault(c, size) != size:
+            n0 = infos[self.world_rank(g, 0, 0)][0][0]
+            for c in range(self.channels):
+                ranks = [self.world_rank(g, c, s) for s in range(P)]
+                shapes = [infos[r][0] for r in ranks]
+                for r, shp in zip(ranks, shapes):
+                    if shp[0] != n0:
                         raise ValueError(
-                            '%s: processes in the same grid slice along %s '
-                            'hold blocks of different size (%d and %d, rank '
-                            '%d of group %d). The input is not in the block '
-                            'layout of grid %r; create it with grid.scatter '
-                            'or distconv layers.' % (
-                                layer, names[d], by_coord[c], size,
-                                g * P + s, g, self.shape))
-                sizes = [by_coord[c] for c in range(self.shape[d])]
-                n = sum(sizes)
-                expect = geometry.block_sizes(n, self.shape[d])
-                if sizes != expect:
+                            '%s: ranks %d and %d of sample group %d hold %d '
+                            'and %d samples. The processes of a sample group '
+                            'must hold the same samples; split a global '
+                            'batch with grid.scatter or grid.sample_range.'
+                            % (layer, self.world_rank(g, 0, 0), r, g, n0,
+                               shp[0]))
+                gshape = []
+                for d in range(self.ndim):
+                    by_coord = {}
+                    for s, shp in enumerate(shapes):
+                        k = geometry.grid_coords(self.shape, s)[d]
+                        size = shp[2 + d]
+                        if by_coord.setdefault(k, size) != size:
+                            raise ValueError(
+                                '%s: processes in the same grid slice along '
+                                '%s hold blocks of different size (%d and '
+                                '%d, rank %d of group %d). The input is not '
+                                'in the block layout of grid %r; create it '
+                                'with grid.scatter or distconv layers.' % (
+                                    layer, names[d], by_coord[k], size,
+                                    ranks[s], g, self.shape))
+                    sizes = [by_coord[k] for k in range(self.shape[d])]
+                    n = sum(sizes)
+                    expect = geometry.block_sizes(n, self.shape[d])
+                    if sizes != expect:
+                        raise ValueError(
+                            '%s: along %s the blocks of group %d have sizes '
+                            '%r, but the balanced split of %d over %d '
+                            'processes is %r (input spatial sizes disagree '
+                            'with the grid layout). Create inputs with '
+                            'grid.scatter or distconv layers.'
+                            % (layer, names[d], g, sizes, n, self.shape[d],
+                               expect))
+                    gshape.append(n)
+                gshape = tuple(gshape)
+                if spatial_shape is None:
+                    spatial_shape = gshape
+                elif gshape != spatial_shape:
                     raise ValueError(
-                        '%s: along %s the blocks of group %d have sizes %r, '
-                        'but the balanced split of %d over %d processes is '
-                        '%r (input spatial sizes disagree with the grid '
-                        'layout). Create inputs with grid.scatter or '
-                        'distconv layers.' % (layer, names[d], g, sizes, n,
-                                              self.shape[d], expect))
-                gshape.append(n)
-            gshape = tuple(gshape)
-            if spatial_shape is None:
-                spatial_shape = gshape
-            elif gshape != spatial_shape:
-                raise ValueError(
-                    '%s: the global spatial size differs between sample '
-                    'groups (%r in group 0, %r in group %d). All samples of '
-                    'a batch must have the same spatial size.'
-                    % (layer, spatial_shape, gshape, g))
-        layout = Layout(spatial_shape, group_samples, infos[0][0][1])
-        return layout, layout
+                        '%s: the global spatial size differs between sample '
+                        'groups or channel coordinates (%r in group 0, %r in '
+                        'group %d, channel coordinate %d). All samples of a '
+                        'batch must have the same spatial size.'
+                        % (layer, spatial_shape, gshape, g, c))
+            group_samples.append(n0)
+        if channel_split:
+            channels = sum(counts)
+        elif channel_split is False:
+            channels = counts[0]
+        else:
+            channels = counts[self.channel_rank]
+        summary = (spatial_shape, group_samples, counts, channel_split)
+        layout = Layout(spatial_shape, group_samples, channels, counts)
+        return layout, summary
 
     def check_samples(self, x: Input, layer: str, signature: tuple = ()
                       ) -> Tuple[Tuple[int, ...], List[int]]:
@@ -368,7 +503,7 @@ class SpatialGrid(object):
 
     def _check_samples_full(self, x, layer, signature):
         infos = self._gather_info(x, layer, signature)
-        self._check_common(infos, layer)
+        self._check_common(infos, layer, None)
         shape0 = infos[0][0][2:]
         for r, (shape, _, _) in enumerate(infos):
             if shape[2:] != shape0:
@@ -377,23 +512,27 @@ class SpatialGrid(object):
                     'every process, but rank 0 has %r and rank %d has %r.'
                     % (layer, shape0, r, shape[2:]))
         P = self.spatial_size
-        counts = [infos[self.group * P + s][0][0] for s in range(P)]
+        counts = [infos[self.world_rank(self.group, self.channel_rank, s)
+                        ][0][0] for s in range(P)]
         every = tuple(info[0][0] for info in infos)
         return (shape0, counts), (shape0, every)
 
     # ------------------------------------------------------------------
     # User-facing distribution helpers (not for the training path)
     # ------------------------------------------------------------------
-    def scatter(self, x: Input) -> NdArray:
+    def scatter(self, x: Input, channel_split: bool = False) -> NdArray:
         """Returns this process's block of a global batch.
 
         Args:
             x: The global batch ``(N, C, *spatial)``, identical on every
                 process (numpy or cupy array, or Variable).
+            channel_split (bool): If True, only this process's balanced
+                block of the channels (:meth:`channel_range`); else all
+                channels.
 
         Returns:
-            A C-contiguous array ``(N_group, C, *block)`` of this process's
-            samples and spatial block.
+            A C-contiguous array ``(N_group, C or C_block, *block)`` of this
+            process's samples, channels and spatial block.
         """
         arr = x.array if isinstance(x, chainer.Variable) else x
         if arr.ndim != 2 + self.ndim:
@@ -403,7 +542,9 @@ class SpatialGrid(object):
                                        self.shape, arr.shape))
         lo, hi = self.sample_range(arr.shape[0])
         box = self.block(arr.shape[2:])
-        sl = (slice(lo, hi), slice(None)) + tuple(slice(a, b) for a, b in box)
+        ch = slice(*self.channel_range(arr.shape[1])) if channel_split \
+            else slice(None)
+        sl = (slice(lo, hi), ch) + tuple(slice(a, b) for a, b in box)
         xp = backend.get_array_module(arr)
         return xp.ascontiguousarray(arr[sl])
 
@@ -413,7 +554,8 @@ class SpatialGrid(object):
         lo, hi = self.sample_range(arr.shape[0])
         return arr[lo:hi]
 
-    def gather(self, y: Input) -> NdArray:
+    def gather(self, y: Input, channel_split: bool = False,
+               reduce_copies: bool = False) -> NdArray:
         """Assembles the global tensor from every process's block.
 
         Collective over the whole communicator. Meant for users and tests:
@@ -421,26 +563,46 @@ class SpatialGrid(object):
 
         Args:
             y: This process's block (array or Variable) in spatial layout.
+            channel_split (bool): Whether ``y`` holds this process's block
+                of the channels (True) or all of them (False).
+            reduce_copies (bool): For a tensor that is not channel split on
+                a grid with a channel axis: sum the copies of the channel
+                coordinates instead of taking coordinate 0's. The gradient
+                of a replicated tensor is held as per-copy contributions
+                (see the module docstring), whose sum is the gradient.
 
         Returns:
             The global array ``(N, C, *spatial)`` on ``y``'s device.
         """
         arr = y.array if isinstance(y, chainer.Variable) else y
-        layout = self.check_spatial(arr, 'distconv.SpatialGrid.gather')
+        layout = self.check_spatial(arr, 'distconv.SpatialGrid.gather',
+                                    channel_split=bool(channel_split))
         parts = _mpi_json.allgather_arrays(self.mpi_world, _comm.to_host(arr))
         P = self.spatial_size
         n_total = sum(layout.group_samples)
-        out = numpy.empty((n_total, layout.channels) + layout.spatial_shape,
+        out = numpy.zeros((n_total, layout.channels) + layout.spatial_shape,
                           dtype=parts[0].dtype)
         offset = 0
         for g in range(self.n_groups):
             n = layout.group_samples[g]
-            for s in range(P):
-                box = geometry.block_box(layout.spatial_shape, self.shape,
-                                         geometry.grid_coords(self.shape, s))
-                sl = (slice(offset, offset + n), slice(None)) + tuple(
-                    slice(a, b) for a, b in box)
-                out[sl] = parts[g * P + s]
+            for c in range(self.channels):
+                if channel_split:
+                    ch = slice(*self.channel_range(layout.channels, c))
+                elif c and not reduce_copies:
+                    continue
+                else:
+                    ch = slice(None)
+                for s in range(P):
+                    box = geometry.block_box(
+                        layout.spatial_shape, self.shape,
+                        geometry.grid_coords(self.shape, s))
+                    sl = (slice(offset, offset + n), ch) + tuple(
+                        slice(a, b) for a, b in box)
+                    part = parts[self.world_rank(g, c, s)]
+                    if reduce_copies and not channel_split:
+                        out[sl] += part
+                    else:
+                        out[sl] = part
             offset += n
         return _comm.like(out, arr)
 

@@ -13,6 +13,7 @@ import chainer.links as L
 
 from chainermn_overlap.distconv import functions
 from chainermn_overlap.distconv import normalization
+from chainermn_overlap.distconv import params as params_mod
 
 if TYPE_CHECKING:
     from chainer.types import NdArray
@@ -29,6 +30,72 @@ def _layer_name(link, kind):
         'distconv.%s' % kind
 
 
+def _check_split_args(layer, split, in_channels, out_channels, ksize,
+                      groups):
+    if split not in ('spatial', 'filter', 'channel'):
+        raise ValueError("%s: split must be 'spatial', 'filter' or "
+                         "'channel', got %r" % (layer, split))
+    if split != 'spatial':
+        if in_channels is None or out_channels is None or ksize is None:
+            raise ValueError(
+                '%s: split=%r needs in_channels, out_channels and ksize '
+                '(the channel blocks are cut from them at construction); '
+                'got %r, %r, %r.' % (layer, split, in_channels,
+                                     out_channels, ksize))
+        if groups != 1:
+            raise ValueError(
+                "%s: split=%r needs groups=1 (got %r). Use split='spatial' "
+                'for grouped convolutions.' % (layer, split, groups))
+
+
+def _replace_param(link, name, array):
+    delattr(link, name)
+    with link.init_scope():
+        setattr(link, name, chainer.Parameter(array))
+
+
+def _split_conv_params(link, split, in_channels, out_channels):
+    """Keeps only this process's block of W (and b) after construction.
+
+    The whole parameters are initialised first, with the initialisers of
+    the single-process link, so a model built with the same random state
+    holds exactly the blocks of the single-process model's parameters.
+    """
+    link.split = split
+    link._totals = None
+    if split == 'spatial':
+        return
+    grid = link.grid
+    link._totals = (int(in_channels), int(out_channels))
+    blocks = _conv_blocks(link)
+    W = link.W.array
+    b = None if link.b is None else link.b.array
+    axis, lo, hi = blocks['W']
+    W = W[(slice(None),) * axis + (slice(lo, hi),)].copy()
+    if 'b' in blocks:
+        _, blo, bhi = blocks['b']
+        b = b[blo:bhi].copy()
+    # Re-registered in the original order (W, then b).
+    _replace_param(link, 'W', W)
+    if b is not None:
+        _replace_param(link, 'b', b)
+    params_mod.mark_split_params(link, grid)
+
+
+def _conv_blocks(link):
+    if link.split == 'spatial':
+        return {}
+    c_in, c_out = link._totals
+    if link.split == 'filter':
+        lo, hi = link.grid.channel_range(c_out)
+        out = {'W': (0, lo, hi)}
+        if link.b is not None:
+            out['b'] = (0, lo, hi)
+        return out
+    lo, hi = link.grid.channel_range(c_in)
+    return {'W': (1, lo, hi)}
+
+
 class Convolution2D(L.Convolution2D):
     """Spatially distributed :class:`chainer.links.Convolution2D`.
 
@@ -37,6 +104,16 @@ class Convolution2D(L.Convolution2D):
         in_channels, out_channels, ksize, stride, pad, nobias, initialW,
         initial_bias, dilate, groups: As in Chainer (``in_channels=None``
             initialises lazily; the two-argument form works too).
+        split (str): ``'spatial'`` (default: W and b whole on every
+            process), ``'filter'`` (the input's channels whole, this
+            process holds its block of the output channels of W and b and
+            returns that block of the output) or ``'channel'`` (the input's
+            channels split, this process holds its block of W's input
+            channels and b whole; the partial sums are reduced over the
+            grid's channel axis and the whole output is returned). The
+            blocks are :meth:`SpatialGrid.channel_range` of the grid's
+            channel axis; ``'filter'`` followed by ``'channel'`` needs no
+            redistribution. Spatial splitting and halos work the same.
     """
 
     def __init__(self, grid: SpatialGrid, in_channels: Optional[int],
@@ -44,16 +121,19 @@ class Convolution2D(L.Convolution2D):
                  ksize: Optional[IntOrTuple] = None, stride: IntOrTuple = 1,
                  pad: IntOrTuple = 0, nobias: bool = False, initialW=None,
                  initial_bias=None, dilate: IntOrTuple = 1,
-                 groups: int = 1) -> None:
+                 groups: int = 1, split: str = 'spatial') -> None:
         if grid.ndim != 2:
             raise ValueError(
                 'distconv.Convolution2D needs a 2-D grid, got %r. Use '
                 'distconv.ConvolutionND for %d-D data.'
                 % (grid.shape, grid.ndim))
+        _check_split_args('distconv.Convolution2D', split, in_channels,
+                          out_channels, ksize, groups)
         super(Convolution2D, self).__init__(
             in_channels, out_channels, ksize, stride, pad, nobias, initialW,
             initial_bias, dilate=dilate, groups=groups)
         self.grid = grid
+        _split_conv_params(self, split, in_channels, out_channels)
 
     def forward(self, x: Input) -> chainer.Variable:
         if self.W.array is None:
@@ -61,7 +141,28 @@ class Convolution2D(L.Convolution2D):
         return functions.convolution_2d(
             self.grid, x, self.W, self.b, self.stride, self.pad,
             dilate=self.dilate, groups=self.groups,
-            _layer=_layer_name(self, 'Convolution2D'))
+            _layer=_layer_name(self, 'Convolution2D'), split=self.split,
+            _totals=self._totals)
+
+    def serial_blocks(self) -> dict:
+        """Which block of the single-process parameters this link holds.
+
+        Returns:
+            dict: ``name -> (axis, lo, hi)`` for each parameter or
+            persistent value that holds only part of the single-process one
+            (empty with ``split='spatial'``).
+        """
+        return _conv_blocks(self)
+
+    def reduction_groups(self) -> dict:
+        """Parameters not replicated over the whole communicator.
+
+        Returns:
+            dict: ``name -> ReductionGroup`` (see
+            :mod:`chainermn_overlap.distconv.params`); empty when every
+            parameter is replicated everywhere.
+        """
+        return params_mod.link_reduction_groups(self)
 
 
 class ConvolutionND(L.ConvolutionND):
@@ -72,6 +173,7 @@ class ConvolutionND(L.ConvolutionND):
         ndim (int): Number of spatial dimensions.
         in_channels, out_channels, ksize, stride, pad, nobias, initialW,
         initial_bias, cover_all, dilate, groups: As in Chainer.
+        split (str): See :class:`Convolution2D`.
     """
 
     def __init__(self, grid: SpatialGrid, ndim: int,
@@ -79,16 +181,20 @@ class ConvolutionND(L.ConvolutionND):
                  ksize: Optional[IntOrTuple] = None, stride: IntOrTuple = 1,
                  pad: IntOrTuple = 0, nobias: bool = False, initialW=None,
                  initial_bias=None, cover_all: bool = False,
-                 dilate: IntOrTuple = 1, groups: int = 1) -> None:
+                 dilate: IntOrTuple = 1, groups: int = 1,
+                 split: str = 'spatial') -> None:
         if grid.ndim != ndim:
             raise ValueError(
                 'distconv.ConvolutionND: ndim=%d but the grid %r has %d '
                 'dimensions. Use a grid with one entry per spatial '
                 'dimension.' % (ndim, grid.shape, grid.ndim))
+        _check_split_args('distconv.ConvolutionND', split, in_channels,
+                          out_channels, ksize, groups)
         super(ConvolutionND, self).__init__(
             ndim, in_channels, out_channels, ksize, stride, pad, nobias,
             initialW, initial_bias, cover_all, dilate, groups)
         self.grid = grid
+        _split_conv_params(self, split, in_channels, out_channels)
 
     def forward(self, x: Input) -> chainer.Variable:
         if self.W.array is None:
@@ -96,7 +202,11 @@ class ConvolutionND(L.ConvolutionND):
         return functions.convolution_nd(
             self.grid, x, self.W, self.b, self.stride, self.pad,
             self.cover_all, self.dilate, self.groups,
-            _layer=_layer_name(self, 'ConvolutionND'))
+            _layer=_layer_name(self, 'ConvolutionND'), split=self.split,
+            _totals=self._totals)
+
+    serial_blocks = Convolution2D.serial_blocks
+    reduction_groups = Convolution2D.reduction_groups
 
 
 class BatchNormalization(L.BatchNormalization):
@@ -118,6 +228,12 @@ class BatchNormalization(L.BatchNormalization):
         layout (str): ``'spatial'`` (default) for inputs in spatial layout,
             ``'sample'`` for whole samples per process (after
             :func:`to_sample_layout`); statistics are global either way.
+        channel_split (bool): If True, the input holds this process's block
+            of the ``size`` channels (the output of a ``split='filter'``
+            convolution) and the link holds that block of gamma, beta and
+            the running statistics; else all channels. Statistics are per
+            channel over the global batch either way (reduced over
+            ``grid.mpi_data``, the processes of one channel coordinate).
     """
 
     def __init__(self, grid: SpatialGrid, size: Optional[int] = None,
@@ -125,7 +241,8 @@ class BatchNormalization(L.BatchNormalization):
                  use_gamma: bool = True, use_beta: bool = True,
                  initial_gamma=None, initial_beta=None, axis=None,
                  initial_avg_mean=None, initial_avg_var=None,
-                 layout: str = 'spatial') -> None:
+                 layout: str = 'spatial',
+                 channel_split: bool = False) -> None:
         if layout not in ('spatial', 'sample'):
             raise ValueError(
                 "distconv.BatchNormalization: layout must be 'spatial' or "
@@ -144,6 +261,34 @@ class BatchNormalization(L.BatchNormalization):
         self.axis = None
         self.grid = grid
         self.layout = layout
+        self.channel_split = bool(channel_split)
+        self._size = size
+        if self.channel_split:
+            if size is None:
+                raise ValueError(
+                    'distconv.BatchNormalization: channel_split=True needs '
+                    'size (the global number of channels), got None.')
+            lo, hi = grid.channel_range(size)
+            for name in ('gamma', 'beta'):
+                p = getattr(self, name, None)
+                if p is not None:
+                    _replace_param(self, name, p.array[lo:hi].copy())
+            self.avg_mean = self.avg_mean[lo:hi].copy()
+            self.avg_var = self.avg_var[lo:hi].copy()
+            params_mod.mark_split_params(self, grid)
+
+    def serial_blocks(self) -> dict:
+        """See :meth:`Convolution2D.serial_blocks`."""
+        if not self.channel_split:
+            return {}
+        lo, hi = self.grid.channel_range(self._size)
+        return {name: (0, lo, hi) for name in
+                ('gamma', 'beta', 'avg_mean', 'avg_var')
+                if getattr(self, name, None) is not None}
+
+    def reduction_groups(self) -> dict:
+        """See :meth:`Convolution2D.reduction_groups`."""
+        return params_mod.link_reduction_groups(self)
 
     def forward(self, x: Input, finetune: bool = False) -> chainer.Variable:
         """Normalises ``x``, this process's block ``(N, C, *block)``."""
@@ -167,4 +312,5 @@ class BatchNormalization(L.BatchNormalization):
             avg_mean = avg_var = None
         return normalization.batch_normalization(
             self.grid, x, gamma, beta, self.eps, avg_mean, avg_var, decay,
-            layout=self.layout, _layer=_layer_name(self, 'BatchNormalization'))
+            layout=self.layout, _layer=_layer_name(self, 'BatchNormalization'),
+            channel_split=self.channel_split)

@@ -132,7 +132,7 @@ class DistributedBatchNormalization(function_node.FunctionNode):
         del tmp
         # One allreduce: sum, local M2, and sum^2/n for the mean shift.
         shift = s * s / n_local if n_local else xp.zeros_like(s)
-        tot = _comm.allreduce_sum(self.grid.mpi_world,
+        tot = _comm.allreduce_sum(self.grid.mpi_data,
                                   xp.concatenate([s, q, shift]))
         mean64 = tot[:c] / m
         var64 = xp.maximum(tot[c:2 * c] + (tot[2 * c:] - tot[:c] * mean64),
@@ -199,7 +199,7 @@ class DistributedBatchNormalization(function_node.FunctionNode):
                 gbeta[cs] += gb
                 ggamma[cs] += gg
         del tmp
-        tot = _comm.allreduce_sum(self.grid.mpi_world, sums)
+        tot = _comm.allreduce_sum(self.grid.mpi_data, sums)
         m = self.count
         coef = (gamma.astype(interm, copy=False) * self._inv_std)[None, :,
                                                                   None]
@@ -231,7 +231,8 @@ def batch_normalization(grid: SpatialGrid, x: Input, gamma: Input,
                         running_mean: Optional[NdArray] = None,
                         running_var: Optional[NdArray] = None,
                         decay: float = 0.9, layout: str = 'spatial',
-                        _layer: Optional[str] = None) -> chainer.Variable:
+                        _layer: Optional[str] = None,
+                        channel_split: bool = False) -> chainer.Variable:
     """Batch normalisation with global statistics (see the FunctionNode).
 
     Args:
@@ -244,6 +245,12 @@ def batch_normalization(grid: SpatialGrid, x: Input, gamma: Input,
         decay (float): Decay of the running statistics.
         layout (str): ``'spatial'`` or ``'sample'`` (the layout of ``x``;
             the statistics are over the global batch either way).
+        channel_split (bool): Whether ``x`` holds this process's block of
+            the channels of a grid with a channel axis (gamma and beta are
+            then that block too). Statistics are reduced over the processes
+            of this channel coordinate (``grid.mpi_data``) either way, so a
+            tensor held whole on every channel coordinate is not counted
+            once per copy.
 
     Returns:
         chainer.Variable: The normalised block.
@@ -252,16 +259,20 @@ def batch_normalization(grid: SpatialGrid, x: Input, gamma: Input,
     x = chainer.as_variable(x)
     gamma = chainer.as_variable(gamma)
     beta = chainer.as_variable(beta)
-    sig = (layer, tuple(gamma.shape), tuple(beta.shape))
+    # Channel blocks differ between channel coordinates; their agreement
+    # with the input is checked below on each process.
+    sig = (layer, bool(channel_split)) + (
+        () if channel_split else (tuple(gamma.shape), tuple(beta.shape)))
     if layout == 'spatial':
-        lay = grid.check_spatial(x, layer, sig)
-        channels = lay.channels
+        lay = grid.check_spatial(x, layer, sig,
+                                 channel_split=bool(channel_split))
+        channels = x.shape[1]
         count = sum(lay.group_samples) * int(numpy.prod(lay.spatial_shape))
     elif layout == 'sample':
         spatial_shape, _ = grid.check_samples(x, layer, sig)
         channels = x.shape[1]
         n_total = int(_comm.allreduce_sum(
-            grid.mpi_world, numpy.array([x.shape[0]], numpy.int64))[0])
+            grid.mpi_data, numpy.array([x.shape[0]], numpy.int64))[0])
         count = n_total * int(numpy.prod(spatial_shape))
     else:
         raise ValueError("%s: layout must be 'spatial' or 'sample', got %r"
@@ -276,7 +287,7 @@ def batch_normalization(grid: SpatialGrid, x: Input, gamma: Input,
             '%s: the global batch is empty (no samples or no spatial cells '
             'on any process); batch statistics are undefined. Skip empty '
             'batches.' % layer)
-    if grid.size == 1:
+    if grid.mpi_data.Get_size() == 1:
         # One process holds the whole batch: the global statistics are the
         # local ones, and Chainer's own function is exactly the serial one
         # (and supports double backpropagation).
