@@ -16,6 +16,15 @@ Usage::
     result['best']                    # e.g. (2, 1), the same on every rank
     report = tuner.format_table(result)  # the timings of every candidate
 
+Beyond grid shapes, candidates can carry a channel axis (``'channels'``:
+filter/channel parallelism, :func:`grids_with_channels`), a per-stage
+strategy (:func:`strategy_candidates`: spatial for the first stages,
+filter/channel or sample parallel for the rest, the cut searched) and a
+tiling depth for :class:`~chainermn_overlap.distconv.Tiled` stacks
+(:func:`depth_candidates`); ``build_model`` reads them from the candidate.
+On a link with latency the fastest depth is the one whose saved exchange
+rounds outweigh the redundant computation it adds.
+
 Every rank takes the same decision: each rank's step times are gathered
 (JSON through byte buffers, nothing is unpickled), the time of a step is
 the slowest rank's (the step is synchronous), a candidate's time is the
@@ -36,7 +45,8 @@ from chainermn_overlap import _mpi_json
 from chainermn_overlap.distconv import geometry
 from chainermn_overlap.distconv.grid import SpatialGrid
 
-__all__ = ['candidate_grids', 'format_table', 'tune']
+__all__ = ['candidate_grids', 'depth_candidates', 'format_table',
+           'grids_with_channels', 'strategy_candidates', 'tune']
 
 
 def candidate_grids(size: int, ndim: int) -> List[Tuple[int, ...]]:
@@ -57,26 +67,106 @@ def candidate_grids(size: int, ndim: int) -> List[Tuple[int, ...]]:
     return sorted(shapes)
 
 
+def grids_with_channels(size: int, ndim: int) -> List[dict]:
+    """Every ``{'grid': shape, 'channels': C}`` with ``C * prod(shape)``
+    dividing ``size`` (the rest of the processes form sample groups).
+
+    Returns:
+        list of dict: In order of channels, then shape.
+    """
+    out = []
+    for c in range(1, size + 1):
+        if size % c:
+            continue
+        for shape in candidate_grids(size // c, ndim):
+            out.append({'grid': list(shape), 'channels': c})
+    return out
+
+
+def strategy_candidates(size: int, ndim: int, stages: Sequence[str],
+                        depths: Optional[Sequence[Optional[int]]] = None
+                        ) -> List[dict]:
+    """Per-stage strategies for a network of ``stages`` (in order).
+
+    Each candidate is ``{'grid': shape, 'channels': C, 'strategy': {stage:
+    kind}}`` (plus ``'depth'`` for each of ``depths`` if given), where the
+    first stages are ``'spatial'`` (split over the grid's spatial axes) and
+    the rest ``'channel'`` (filter/channel parallel over the channel axis)
+    if ``C > 1``, else ``'sample'`` (whole samples after
+    :func:`~chainermn_overlap.distconv.to_sample_layout`): the cut between
+    the two is searched, which keeps the number of candidates linear in
+    the number of stages (high-resolution stages first, channel-heavy ones
+    last, as in a CNN). ``build_model`` reads these keys.
+
+    Args:
+        size (int): Number of processes.
+        ndim (int): Spatial dimensions.
+        stages (list of str): Stage names in network order.
+        depths (list): Tiling depths to combine with (None entries mean a
+            whole stage in one tile); omitted: no ``'depth'`` key.
+
+    Returns:
+        list of dict: Candidates for :func:`tune`.
+    """
+    stages = list(stages)
+    out = []
+    for g in grids_with_channels(size, ndim):
+        spatial = geometry.grid_size(g['grid']) > 1
+        late = 'channel' if g['channels'] > 1 else 'sample'
+        cuts = range(len(stages) + 1) if spatial else [0]
+        for cut in cuts:
+            strategy = {st: ('spatial' if i < cut else late)
+                        for i, st in enumerate(stages)}
+            cand = dict(g, strategy=strategy)
+            if depths is None:
+                out.append(cand)
+            else:
+                out.extend(dict(cand, depth=d) for d in depths)
+    return out
+
+
+def depth_candidates(base: Any, depths: Sequence[Optional[int]]
+                     ) -> List[dict]:
+    """``base`` (a grid shape or candidate dict) with each tiling depth.
+
+    ``build_model`` builds its :class:`~chainermn_overlap.distconv.Tiled`
+    stacks with ``candidate['depth']``; :func:`tune` then picks the depth
+    whose step is fastest on this machine and link (layer by layer is
+    ``depth=1``).
+    """
+    if not isinstance(base, dict):
+        base = {'grid': list(base)}
+    return [dict(base, depth=d) for d in depths]
+
+
 def _grid_shape(candidate):
     if isinstance(candidate, dict):
         return tuple(candidate['grid'])
     return tuple(candidate)
 
 
+def _channels(candidate):
+    if isinstance(candidate, dict):
+        return int(candidate.get('channels', 1))
+    return 1
+
+
 def _label(candidate):
     return json.dumps(candidate, sort_keys=True)
 
 
-def _invalid_reason(shape, size, ndim):
+def _invalid_reason(shape, size, ndim, channels=1):
     """Why a grid shape cannot run here, or None."""
     if len(shape) != ndim:
         return ('grid has %d dimensions, the input %d spatial ones'
                 % (len(shape), ndim))
-    if any(int(s) < 1 for s in shape):
+    if any(int(s) < 1 for s in shape) or channels < 1:
         return 'grid has a non-positive process count'
-    if size % geometry.grid_size(shape):
-        return ('grid size %d does not divide %d processes'
-                % (geometry.grid_size(shape), size))
+    if size % (geometry.grid_size(shape) * channels):
+        return ('grid size %d%s does not divide %d processes'
+                % (geometry.grid_size(shape) * channels,
+                   ' (with %d channel blocks)' % channels
+                   if channels > 1 else '', size))
     return None
 
 
@@ -162,13 +252,18 @@ def tune(comm: Any, build_model: Callable[[SpatialGrid, Any], chainer.Link],
                'reason': None, 'median_s': None, 'step_s': [],
                'per_rank_median_s': []}
         table.append(row)
-        reason = _invalid_reason(shape, size, ndim)
+        channels = _channels(cand)
+        row['channels'] = channels
+        reason = _invalid_reason(shape, size, ndim, channels)
         if reason is not None:
             row.update(status='invalid', reason=reason)
             continue
+        kwargs = dict(grid_kwargs or {})
+        if channels > 1:
+            kwargs['channels'] = channels
         times, error = _time_candidate(
             comm, mpi_comm, build_model, cand, shape, input_shape,
-            iterations, warmup, loss_fn, grid_kwargs or {}, dtype, timer)
+            iterations, warmup, loss_fn, kwargs, dtype, timer)
         gathered = _mpi_json.allgather_json(mpi_comm, [times, error])
         errors = ['rank %d: %s' % (r, e)
                   for r, (_, e) in enumerate(gathered) if e]
