@@ -13,7 +13,11 @@ tracker or the update policy knowing.
 """
 import time
 
+import numpy
+
 import chainer
+
+from chainermn_overlap.communication import ring
 
 
 class CommunicationStats(object):
@@ -69,6 +73,9 @@ class BucketOperation(object):
     def finish(self, bucket, size):
         raise NotImplementedError
 
+    def step_done(self):
+        """An update step completed (the count a compression warms up on)."""
+
 
 class MeanAllreduce(BucketOperation):
     """The exact reduction: one allreduce (sum), then a scale by 1/size."""
@@ -80,6 +87,69 @@ class MeanAllreduce(BucketOperation):
     def finish(self, bucket, size):
         if size > 1:
             bucket.buffer *= bucket.buffer.dtype.type(1.0 / size)
+
+
+class LowPrecisionMean(BucketOperation):
+    """A float16 (or other narrow) wire with float32 arithmetic.
+
+    MPI's own float16 sum is software arithmetic, element by element; this
+    runs :func:`~chainermn_overlap.communication.ring.ring_allreduce_mean`
+    on the engine instead: the same bytes on the wire, every addition in
+    float32 with numpy, the scale by ``1 / size`` folded in.
+    """
+
+    def start(self, engine, bucket, label, slot, priority):
+        return engine.run(ring.ring_allreduce_mean, bucket.buffer,
+                          label=label, slot=slot, priority=priority)
+
+    def finish(self, bucket, size):
+        pass  # the ring leaves the mean
+
+
+class CompressedMean(BucketOperation):
+    """A compression (e.g. :class:`chainermn_overlap.PowerSGD`) per bucket.
+
+    Until the compression's warm-up is over, buckets go through ``exact``.
+    The decision is made from the compression's iteration count, the same
+    on every rank.
+    """
+
+    def __init__(self, compression, exact):
+        self.compression = compression
+        self.exact = exact
+        self._exact_buckets = set()
+
+    def start(self, engine, bucket, label, slot, priority):
+        c = self.compression
+        if not c.active:
+            self._exact_buckets.add(bucket.index)
+            return self.exact.start(engine, bucket, label, slot, priority)
+        self._exact_buckets.discard(bucket.index)
+        shapes = [p.shape for p in bucket.params]
+
+        def reduce(comm, buf):
+            c.reduce_bucket(comm, bucket, shapes)
+        return engine.run(
+            reduce, bucket.buffer, label='{} ({!r})'.format(label, c),
+            slot=slot, priority=priority, stage=False,
+            nbytes=c.wire_elements(shapes) * bucket.plan.dtype.itemsize)
+
+    def finish(self, bucket, size):
+        if bucket.index in self._exact_buckets:
+            self.exact.finish(bucket, size)
+
+    def step_done(self):
+        self.compression.step_done()
+
+
+def choose_operation(allreduce_grad_dtype=None, compression=None):
+    """The bucket operation for a wire dtype and an optional compression."""
+    narrow = (allreduce_grad_dtype is not None
+              and numpy.dtype(allreduce_grad_dtype).itemsize < 4)
+    exact = LowPrecisionMean() if narrow else MeanAllreduce()
+    if compression is None:
+        return exact
+    return CompressedMean(compression, exact)
 
 
 class BucketReducer(object):

@@ -99,6 +99,24 @@ def check_wire_dtype(allreduce_grad_dtype):
     return dt
 
 
+def check_compression(compression, allreduce_grad_dtype):
+    """A compression must be one of ours, with a float32/float64 wire."""
+    if compression is None:
+        return
+    from chainermn_overlap.compression import PowerSGD
+    if not isinstance(compression, PowerSGD):
+        raise TypeError(
+            'compression must be a chainermn_overlap.PowerSGD(...) (or '
+            'None), got {}.'.format(type(compression).__name__))
+    if (allreduce_grad_dtype is not None
+            and numpy.dtype(allreduce_grad_dtype).itemsize < 4):
+        raise ValueError(
+            'PowerSGD computes its low-rank factors in the wire dtype, and '
+            '{} is too narrow for that: drop allreduce_grad_dtype (the '
+            'factors are already far smaller than the gradients).'
+            .format(numpy.dtype(allreduce_grad_dtype)))
+
+
 def check_watch_options(timeout, stall_warning, debug):
     """Validates the watchdog options now (a bad value fails at creation,
     not at setup()); they are resolved with the environment by the engine.

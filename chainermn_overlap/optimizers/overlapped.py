@@ -40,6 +40,7 @@ from chainermn_overlap.communication import backends
 from chainermn_overlap.communication import timeline as timeline_module
 from chainermn_overlap.communication import watchdog as watchdog_module
 from chainermn_overlap.hooks import taps
+from chainermn_overlap.optimizers import _reducer
 from chainermn_overlap.optimizers import _wrapper
 from chainermn_overlap.optimizers._layout import LayoutManager
 from chainermn_overlap.optimizers._layout import SKIP
@@ -84,7 +85,7 @@ class _OverlapState(object):
 
     def __init__(self, actual, communicator, wait, bucket_size, zero_fill,
                  allreduce_grad_dtype, backend, backend_options,
-                 timeline=None):
+                 timeline=None, compression=None):
         self.actual = actual
         self.communicator = communicator
         self.mpi_comm = communicator.mpi_comm
@@ -92,6 +93,7 @@ class _OverlapState(object):
         self.size = communicator.size
         self.wait = wait
         self.zero_fill = zero_fill
+        self.compression = compression
         self.backend_name = backend
         self.backend_options = backend_options
         # Watchdog options (timeout, stall_warning, debug); see
@@ -105,7 +107,9 @@ class _OverlapState(object):
         self.reducer = BucketReducer(
             None, self.size, wait, self.timeline,
             before_reuse=self._flush_bucket,
-            before_first_post=self._post_control)
+            before_first_post=self._post_control,
+            operation=_reducer.choose_operation(allreduce_grad_dtype,
+                                                compression))
         self.policy = UpdatePolicy(actual, wait, self.reducer, self.timeline)
         self.tracker = GradientTracker(
             self.rank, self.timeline, on_ready=self._on_ready,
@@ -219,6 +223,7 @@ class _OverlapState(object):
             self._relayout(skip=level == SKIP and not all_loaded)
             return
         self.policy.finish_iteration(self.target)
+        self.reducer.operation.step_done()
         self._next_iteration()
 
     def _next_iteration(self):
@@ -252,6 +257,7 @@ class _OverlapState(object):
             self.reducer.pack(info, info.param.grad)
         self.reducer.try_post(self.tracker.iteration)
         self.policy.complete_in_update()
+        self.reducer.operation.step_done()
         self._next_iteration()
 
     def synchronize(self):
@@ -336,6 +342,8 @@ class _OverlappedOptimizer(_wrapper.OptimizerWrapper):
         st = self._overlap
         st.synchronize()
         st.actual.serialize(serializer)
+        if st.compression is not None:
+            st.compression.serialize(serializer['compression'])
         if isinstance(serializer, chainer.serializer.Deserializer):
             st.mark_loaded()
 
@@ -368,7 +376,8 @@ def create_overlapped_optimizer(actual_optimizer, communicator,
                                 zero_fill=True, allreduce_grad_dtype=None,
                                 backend='mpi_priority', chunk_size=None,
                                 timeline=None, timeout=None,
-                                stall_warning=None, debug=None):
+                                stall_warning=None, debug=None,
+                                compression=None):
     """Creates a multi-node optimizer that overlaps reduction with compute.
 
     A drop-in for :func:`chainermn.create_multi_node_optimizer`: gradients
@@ -427,6 +436,10 @@ def create_overlapped_optimizer(actual_optimizer, communicator,
             same one (``'mpi_thread'`` backend; one extra tiny allreduce
             each).  The bucket layout and iteration are checked at every
             iteration regardless.  Default ``CHAINERMN_OVERLAP_DEBUG``.
+        compression: a gradient compression such as
+            ``chainermn_overlap.PowerSGD(rank=4, warmup_iterations=100)``
+            (default: none, results exactly ChainerMN's).  Its state is
+            part of the optimizer's snapshot.
 
     Returns:
         The wrapped optimizer.  Attribute access goes to the actual
@@ -440,6 +453,7 @@ def create_overlapped_optimizer(actual_optimizer, communicator,
     bucket_size = (DEFAULT_BUCKET_SIZE if bucket_size is None
                    else parse_size(bucket_size))
     allreduce_grad_dtype = _wrapper.check_wire_dtype(allreduce_grad_dtype)
+    _wrapper.check_compression(compression, allreduce_grad_dtype)
     backends.get_backend(backend)
     backend_options = {}
     if chunk_size is not None:
@@ -453,7 +467,7 @@ def create_overlapped_optimizer(actual_optimizer, communicator,
           if timeline is not None else None)
     state = _OverlapState(actual_optimizer, communicator, wait, bucket_size,
                           zero_fill, allreduce_grad_dtype, backend,
-                          backend_options, tl)
+                          backend_options, tl, compression)
     state.watch_options = watch_options
     if tl is not None:
         _TIMELINES.add(state)

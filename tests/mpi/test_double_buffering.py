@@ -53,13 +53,16 @@ def loss_of(model, x, t):
     return F.softmax_cross_entropy(model(x), t)
 
 
-def train_ours(comm, batches, make_actual, backend='mpi_thread'):
+def train_ours(comm, batches, make_actual, backend='mpi_thread',
+               sync_each_step=False, **options):
     model = make_model()
     opt = chainermn_overlap.create_double_buffering_optimizer(
-        make_actual(), comm, backend=backend)
+        make_actual(), comm, backend=backend, **options)
     opt.setup(model)
     for x, t in batches:
         opt.update(loss_of, model, x, t)
+        if sync_each_step:
+            opt.synchronize()
     opt.close()
     return model, opt
 
@@ -116,6 +119,27 @@ def test_equals_blocking_with_one_step_delay(comm, name):
     eq.assert_all_ranks(opt.t == ref_opt.t == STEPS - 2,
                         'opt.t: ours %r, reference %r, expected %d'
                         % (opt.t, ref_opt.t, STEPS - 2))
+
+
+@pytest.mark.parametrize('backend,options', [
+    ('mpi_priority', {'bucket_size': 64, 'chunk_size': None}),
+    ('mpi_thread', {'bucket_size': '100B'}),
+])
+def test_same_parts_as_the_overlapped_optimizer(comm, backend, options):
+    # Several buckets (64-100 bytes), either engine, synchronize() after
+    # every step: still exactly the delayed blocking optimizer.
+    options = {k: v for k, v in options.items() if v is not None}
+    data = batches()
+    got, opt = train_ours(comm, data, OPTIMIZERS['momentum_sgd'], backend,
+                          sync_each_step=True, **options)
+    ref, _ = train_reference(comm, data, OPTIMIZERS['momentum_sgd'])
+    eq.assert_equivalent(got, ref, persistents=False,
+                         what='double buffering (%s)' % backend, **TOL)
+    stats = opt.communication_stats()
+    # 5 posting iterations (the first broadcasts) of more than one bucket.
+    eq.assert_all_ranks(stats['buckets'] > STEPS - 1 and
+                        stats['buckets'] % (STEPS - 1) == 0,
+                        'buckets: %r' % (stats,))
 
 
 def test_negative_control_differs_from_fresh_gradients(comm):

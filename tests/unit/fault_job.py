@@ -77,6 +77,8 @@ def main():
     p.add_argument('--stall-seconds', type=float, default=4.0)
     p.add_argument('--iterations', type=int, default=12)
     p.add_argument('--at', type=int, default=5)
+    p.add_argument('--optimizer', default='overlapped',
+                   choices=['overlapped', 'double_buffering'])
     args = p.parse_args()
     if not args.no_abort_hook:
         chainermn_overlap.enable_abort_on_exception()
@@ -102,7 +104,10 @@ def main():
 
     where = 'backward' if args.fault == 'kill' else 'forward'
     model = L.Classifier(MLP((where, inject)))
-    opt = chainermn_overlap.create_overlapped_optimizer(
+    create = (chainermn_overlap.create_overlapped_optimizer
+              if args.optimizer == 'overlapped'
+              else chainermn_overlap.create_double_buffering_optimizer)
+    opt = create(
         chainer.optimizers.MomentumSGD(0.01), comm,
         bucket_size=2048, timeout=args.timeout,
         stall_warning=args.stall_warning).setup(model)

@@ -159,3 +159,22 @@ def test_stall_warning_reports_lagging_rank():
     assert 'StallWarning: rank 0: has waited 1.0 s for' in out, out
     assert 'ranks [1] have not posted it' in out, out
     assert 'in inject' in out, out
+
+
+def test_double_buffering_times_out_like_the_overlapped_optimizer():
+    # The same hung rank under the double-buffering optimizer: its watchdog
+    # raises the library's CommunicationTimeout (not a RuntimeError), so
+    # `except CommunicationTimeout` works for both optimizers.
+    code, out, elapsed = run_job('hang', '--timeout', '3',
+                                 '--stall-warning', '600',
+                                 '--optimizer', 'double_buffering',
+                                 limit=60.0)
+    assert_injected(out, 'hang')
+    assert code not in (None, 0), 'exit {}:\n{}'.format(code, out)
+    assert elapsed < 3 + BOUND, 'took {:.1f} s:\n{}'.format(elapsed, out)
+    assert 'CommunicationTimeout' in out, out
+    assert 'rank 0: timed out after 3.0 s waiting for' in out, out
+    assert 'double-buffered' not in out, out
+    # Iteration 5's gradients are the ones the hung rank never posted.
+    assert 'of iteration 5' in out, out
+    assert 'rank 1: has NOT posted it' in out, out
