@@ -95,6 +95,47 @@ Training (what a user must do):
     every process of a group (same dropout seed), as the copies' gradients
     are summed.
 
+Channel and filter parallelism (``SpatialGrid(comm, shape, channels=C)``):
+    Late CNN stages have small maps and many channels, where a spatial
+    split is mostly halo. A grid with a channel axis splits channels in
+    balanced blocks (:meth:`SpatialGrid.channel_range`) over ``C``
+    processes holding the same samples and spatial block (``comm.size =
+    groups x C x prod(shape)``). ``Convolution2D(..., split='filter')``
+    takes whole channels and returns its block of output channels (it
+    holds that block of W and b); ``split='channel'`` takes split channels,
+    holds its block of W's input channels, reduces the partial sums over
+    the channel axis and returns every output channel. A ``'filter'``
+    layer feeds a ``'channel'`` one directly; ``BatchNormalization(grid,
+    size, channel_split=True)`` normalises a channel-split tensor with
+    global statistics; element-wise functions and poolings work on either.
+    A tensor that is not channel split is held whole on every channel
+    coordinate, and so is its gradient as per-copy contributions (their
+    sum is the gradient, as for the replicated output of
+    :func:`global_average_pooling`): the training convention below holds
+    unchanged. ``grid.scatter(x, channel_split=...)`` and
+    ``grid.gather(y, channel_split=...)`` move blocks in and out.
+
+Parameters on part of the processes (:mod:`.params`):
+    Channel blocks of parameters differ between channel coordinates; their
+    gradients must be reduced only over the processes holding the same
+    block. ``link.reduction_groups()`` / ``param.reduction_group`` /
+    :func:`reduction_groups` declare them (a hashable ``key``, the
+    members' ``mpi_comm`` and the ``sum_scale`` of ``1 / comm.size``
+    applied to the group's sum); see :mod:`chainermn_overlap.distconv.params`.
+    ChainerMN's ``create_multi_node_optimizer`` cannot train such a model
+    (:func:`check_replicated` says so). :func:`load_serial_params` and
+    :func:`store_serial_params` copy a single-process model's parameters
+    into the blocks and gather them back.
+
+Overlapped tiling (:class:`Tiled`):
+    ``Tiled(grid, layers, depth)`` runs convolutions, poolings, batch
+    normalisation and element-wise layers with one halo exchange per
+    ``depth`` window layers, computing the overlap redundantly, and returns
+    exactly the layer-by-layer result (batch-normalisation statistics
+    from owned cells only). On a link with latency it trades message
+    rounds for redundant computation; :func:`tuner.depth_candidates` lets
+    the tuner choose the depth. See :mod:`chainermn_overlap.distconv.tiling`.
+
 Tuning (:func:`tuner.tune`):
     ``distconv.tune(comm, build_model, input_shape, candidates)`` builds
     the model for each candidate grid shape (or ``{'grid': ..., 'strategy':
@@ -107,7 +148,10 @@ Tuning (:func:`tuner.tune`):
 Not supported:
     Deconvolution, ``return_indices`` of max pooling, BN over other axes,
     double backpropagation through batch normalisation, and spatially
-    splitting a layer with a grid of another dimensionality.
+    splitting a layer with a grid of another dimensionality; grouped
+    convolutions with ``split='filter'``/``'channel'``; inside
+    :class:`Tiled`, the overlapped (interior-first) exchange (a tile's one
+    exchange is blocking) and batch normalisation in sample layout.
 """
 from chainermn_overlap.distconv.exchange import region_exchange  # NOQA
 from chainermn_overlap.distconv.exchange import RegionExchange  # NOQA
@@ -126,6 +170,9 @@ from chainermn_overlap.distconv.links import ConvolutionND  # NOQA
 from chainermn_overlap.distconv.normalization import (  # NOQA
     batch_normalization)
 from chainermn_overlap.distconv.redistribute import sample_share  # NOQA
+from chainermn_overlap.distconv.redistribute import to_replicated  # NOQA
+from chainermn_overlap.distconv.channels import channel_block  # NOQA
+from chainermn_overlap.distconv.channels import gather_channels  # NOQA
 from chainermn_overlap.distconv.redistribute import to_sample_layout  # NOQA
 from chainermn_overlap.distconv.redistribute import to_spatial_layout  # NOQA
 from chainermn_overlap.distconv.params import check_replicated  # NOQA
@@ -142,9 +189,10 @@ __all__ = [
     'BatchNormalization', 'Convolution2D', 'ConvolutionND', 'ReductionGroup',
     'RegionExchange', 'RegionExchangeAdjoint', 'SpatialGrid', 'Tiled',
     'average_pooling_2d', 'average_pooling_nd', 'batch_normalization',
-    'check_replicated', 'convolution_2d', 'convolution_nd', 'geometry',
-    'global_average_pooling', 'load_serial_params', 'max_pooling_2d',
-    'max_pooling_nd', 'reduction_groups', 'region_exchange', 'sample_share',
-    'store_serial_params', 'to_sample_layout', 'to_spatial_layout', 'tune',
-    'tuner',
+    'channel_block', 'check_replicated', 'convolution_2d', 'convolution_nd',
+    'gather_channels', 'geometry', 'global_average_pooling',
+    'load_serial_params', 'max_pooling_2d', 'max_pooling_nd',
+    'reduction_groups', 'region_exchange', 'sample_share',
+    'store_serial_params', 'to_replicated', 'to_sample_layout',
+    'to_spatial_layout', 'tune', 'tuner',
 ]

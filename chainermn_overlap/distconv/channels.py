@@ -35,12 +35,14 @@ from chainer import function_node
 import numpy
 from mpi4py import MPI
 
+from chainermn_overlap import _mpi_json
 from chainermn_overlap.distconv import _comm
 
 if TYPE_CHECKING:
     from chainermn_overlap.distconv.grid import SpatialGrid
 
-__all__ = ['ChannelAllreduce', 'allreduce_array']
+__all__ = ['ChannelAllreduce', 'ChannelBlockOfSum', 'GatherChannels',
+           'allreduce_array', 'channel_block', 'gather_channels']
 
 _MPI_TYPES = {numpy.dtype(numpy.float16): None,
               numpy.dtype(numpy.float32): MPI.FLOAT,
@@ -94,3 +96,99 @@ class ChannelAllreduce(function_node.FunctionNode):
             shape, dtype, xp = self._meta
             gy = chainer.Variable(xp.zeros(shape, dtype=dtype))
         return ChannelAllreduce(self.grid).apply((gy,))
+
+
+class GatherChannels(function_node.FunctionNode):
+    """Channel blocks -> all channels on every channel coordinate.
+
+    Forward: an allgather of the blocks over the channel axis. The output
+    is replicated, so its gradient arrives as per-copy contributions; the
+    exact adjoint sums them (an allreduce) and keeps this coordinate's
+    block.
+
+    Args:
+        grid (SpatialGrid): The process grid.
+        total (int): Global number of channels.
+    """
+
+    def __init__(self, grid: SpatialGrid, total: int) -> None:
+        self.grid = grid
+        self.total = total
+
+    def forward(self, inputs):
+        x, = inputs
+        parts = _mpi_json.allgather_arrays(self.grid.mpi_channel,
+                                           _comm.to_host(x))
+        y = _comm.like(numpy.concatenate(parts, axis=1), x)
+        self._meta = (y.shape, y.dtype, backend.get_array_module(x))
+        return y,
+
+    def backward(self, indexes, grad_outputs):
+        gy, = grad_outputs
+        if gy is None:  # every coordinate must join the reduction
+            shape, dtype, xp = self._meta
+            gy = chainer.Variable(xp.zeros(shape, dtype=dtype))
+        return ChannelBlockOfSum(self.grid, self.total).apply((gy,))
+
+
+class ChannelBlockOfSum(function_node.FunctionNode):
+    """Sum of the copies over the channel axis, this coordinate's block.
+
+    The adjoint of :class:`GatherChannels` (and vice versa).
+    """
+
+    def __init__(self, grid: SpatialGrid, total: int) -> None:
+        self.grid = grid
+        self.total = total
+
+    def forward(self, inputs):
+        g, = inputs
+        lo, hi = self.grid.channel_range(self.total)
+        summed = allreduce_array(self.grid.mpi_channel, g)
+        xp = backend.get_array_module(g)
+        return xp.ascontiguousarray(summed[:, lo:hi]),
+
+    def backward(self, indexes, grad_outputs):
+        return GatherChannels(self.grid, self.total).apply(grad_outputs)
+
+
+def gather_channels(grid: SpatialGrid, x) -> chainer.Variable:
+    """Channel-split tensor -> all channels on every channel coordinate.
+
+    Collective over the grid's channel axis (and the communicator, for
+    the layout check).
+
+    Args:
+        grid (SpatialGrid): The process grid.
+        x: This process's channel block ``(N, C_block, *block)``.
+
+    Returns:
+        chainer.Variable: ``(N, C, *block)``, the same on every channel
+        coordinate.
+    """
+    layer = 'distconv.gather_channels'
+    x = chainer.as_variable(x)
+    layout = grid.check_spatial(x, layer, (layer,), channel_split=True)
+    if grid.channels == 1:
+        return x
+    return GatherChannels(grid, layout.channels).apply((x,))[0]
+
+
+def channel_block(grid: SpatialGrid, x) -> chainer.Variable:
+    """This coordinate's channel block of a tensor held whole everywhere.
+
+    A slice, no message. Its gradient is held as per-copy contributions
+    (zero outside the block), whose sum over the copies is the gradient.
+
+    Args:
+        grid (SpatialGrid): The process grid.
+        x: ``(N, C, *block)``, the same on every channel coordinate.
+
+    Returns:
+        chainer.Variable: ``(N, C_block, *block)``.
+    """
+    layer = 'distconv.channel_block'
+    x = chainer.as_variable(x)
+    layout = grid.check_spatial(x, layer, (layer,), channel_split=False)
+    lo, hi = grid.channel_range(layout.channels)
+    return x[:, lo:hi]

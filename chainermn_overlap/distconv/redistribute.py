@@ -1,4 +1,4 @@
-"""Redistribution between spatial layout and sample layout.
+"""Redistribution between spatial layout, sample layout and replication.
 
 *Spatial layout*: every process of a sample group holds all of the group's
 ``N_group`` samples, restricted to its spatial block.
@@ -16,6 +16,10 @@ first, then the sends; the local piece is copied while the others are in
 flight, and each received piece is unpacked as soon as it arrives. Pieces
 without cells are not sent. Memory per process stays proportional to its
 share of the group's data.
+
+:func:`to_replicated` hands a spatial layout to a grid with a channel axis:
+every process of the sample group receives the group's whole samples (an
+allgather; its adjoint sums the copies' gradients and keeps the block).
 """
 from __future__ import annotations
 
@@ -25,7 +29,9 @@ import chainer
 from chainer import backend
 from chainer import function_node
 import numpy
+from mpi4py import MPI
 
+from chainermn_overlap import _mpi_json
 from chainermn_overlap.distconv import _comm
 from chainermn_overlap.distconv import geometry
 
@@ -35,7 +41,8 @@ if TYPE_CHECKING:
 
     Input = Union[chainer.Variable, NdArray]
 
-__all__ = ['LayoutShuffle', 'sample_share', 'to_sample_layout',
+__all__ = ['BlockOfSummedCopies', 'LayoutShuffle', 'ReplicateSamples',
+           'sample_share', 'to_replicated', 'to_sample_layout',
            'to_spatial_layout']
 
 
@@ -183,3 +190,96 @@ def sample_share(grid: SpatialGrid, n_group: int) -> geometry.Interval:
     """Samples ``[lo, hi)`` of a group's ``n_group`` samples that this
     process holds in sample layout."""
     return geometry.block_range(n_group, grid.spatial_size, grid.spatial_rank)
+
+
+class ReplicateSamples(function_node.FunctionNode):
+    """Spatial layout -> the group's whole samples on each of its processes.
+
+    Forward: an allgather of the spatial blocks inside the sample group;
+    every process of the group then holds the same ``(N_group, C,
+    *spatial)`` (a replicated tensor, e.g. the input of a grid with a
+    channel axis whose sample groups are the same processes). Its gradient
+    arrives as per-copy contributions; the exact adjoint
+    (:class:`BlockOfSummedCopies`) sums them and keeps this process's
+    block.
+
+    Args:
+        grid (SpatialGrid): The process grid of the spatial layout.
+        spatial_shape (tuple of int): Global spatial extent.
+    """
+
+    def __init__(self, grid: SpatialGrid,
+                 spatial_shape: Sequence[int]) -> None:
+        self.grid = grid
+        self.spatial_shape = tuple(spatial_shape)
+
+    def forward(self, inputs):
+        x, = inputs
+        parts = _mpi_json.allgather_arrays(self.grid.mpi_spatial,
+                                           _comm.to_host(x))
+        out = numpy.empty(x.shape[:2] + self.spatial_shape, dtype=x.dtype)
+        for s, part in enumerate(parts):
+            box = geometry.block_box(self.spatial_shape, self.grid.shape,
+                                     geometry.grid_coords(self.grid.shape,
+                                                          s))
+            out[(Ellipsis,) + tuple(slice(a, b) for a, b in box)] = part
+        self._meta = (out.shape, out.dtype, backend.get_array_module(x))
+        return _comm.like(out, x),
+
+    def backward(self, indexes, grad_outputs):
+        gy, = grad_outputs
+        if gy is None:  # every process of the group must join
+            shape, dtype, xp = self._meta
+            gy = chainer.Variable(xp.zeros(shape, dtype=dtype))
+        return BlockOfSummedCopies(self.grid, self.spatial_shape).apply(
+            (gy,))
+
+
+class BlockOfSummedCopies(function_node.FunctionNode):
+    """Sum of the group's copies, this process's spatial block.
+
+    The adjoint of :class:`ReplicateSamples` (and vice versa).
+    """
+
+    def __init__(self, grid: SpatialGrid,
+                 spatial_shape: Sequence[int]) -> None:
+        self.grid = grid
+        self.spatial_shape = tuple(spatial_shape)
+
+    def forward(self, inputs):
+        g, = inputs
+        xp = backend.get_array_module(g)
+        host = _comm.to_host(g)
+        summed = numpy.empty_like(host)
+        self.grid.mpi_spatial.Allreduce(host, summed, op=MPI.SUM)
+        box = self.grid.block(self.spatial_shape)
+        sel = (Ellipsis,) + tuple(slice(a, b) for a, b in box)
+        return _comm.like(xp.ascontiguousarray(summed[sel]), g),
+
+    def backward(self, indexes, grad_outputs):
+        return ReplicateSamples(self.grid, self.spatial_shape).apply(
+            grad_outputs)
+
+
+def to_replicated(grid: SpatialGrid, x: Input) -> chainer.Variable:
+    """Spatial layout -> the group's whole samples on each of its processes.
+
+    For handing a spatially split stage over to a grid whose sample groups
+    are the same processes and whose spatial grid is ``(1, ..., 1)``, e.g.
+    ``SpatialGrid(comm, (1, 1), channels=prod(grid.shape))`` for
+    filter/channel-parallel late stages: its layers take whole channels
+    held the same on every channel coordinate, which is what this returns.
+    Collective over the sample group.
+
+    Args:
+        grid (SpatialGrid): The grid of the spatial layout.
+        x: This process's block ``(N_group, C, *block)``.
+
+    Returns:
+        chainer.Variable: ``(N_group, C, *spatial)``, the same on every
+        process of the group.
+    """
+    layer = 'distconv.to_replicated'
+    x = chainer.as_variable(x)
+    layout = grid.check_spatial(x, layer, (layer,))
+    return ReplicateSamples(grid, layout.spatial_shape).apply((x,))[0]
