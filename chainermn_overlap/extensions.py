@@ -67,11 +67,10 @@ import re
 import shutil
 import time
 import warnings
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any
 
 import numpy
 
-import chainer
 from chainer import serializers
 from chainer.training import extension as extension_module
 from chainer.training import trigger as trigger_module

@@ -38,7 +38,6 @@ import sys
 import tempfile
 import threading
 import time
-from typing import Dict, List, Optional
 
 __all__ = ['AttemptResult', 'Launcher', 'main']
 
@@ -238,7 +237,7 @@ class Launcher(object):
                            _signal_name(signum))
         self._stop.set()
 
-    # -- one attempt -----------------------------------------------------------
+    # -- one attempt ---------------------------------------------------------
 
     def _run_attempt(self, attempt, size, progress_path):
         env = dict(os.environ)
