@@ -51,6 +51,10 @@ if not __package__:
     sys.path.insert(0, os.path.abspath(os.path.join(__file__, '..', '..')))
 
 from benchmarks import launch  # noqa: E402
+# Link rates ("400mbit") and delays ("0.5ms") are read as everywhere in the
+# library; parse_rate and parse_delay stay importable from here.
+from chainermn_overlap.config import parse_delay  # noqa: E402
+from chainermn_overlap.config import parse_rate  # noqa: E402
 
 PREFIX = 'cmo'
 SUBNET = '10.213.0'
@@ -83,43 +87,6 @@ MPI_ENV = dict({
 
 class NetBedError(RuntimeError):
     """The test bed could not be set up or a command in it failed."""
-
-
-def parse_rate(text):
-    """Parses a link rate such as ``'400mbit'``, ``'1gbit'`` or ``'2.5e8'``.
-
-    Args:
-        text (str or float): a number of bit/s, or a number with one of the
-            units ``bit``, ``kbit``, ``mbit``, ``gbit`` (decimal, as tc).
-
-    Returns:
-        float: the rate in bit/s.
-    """
-    if isinstance(text, (int, float)):
-        value = float(text)
-    else:
-        m = re.fullmatch(r'\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-z]*)\s*',
-                         str(text).lower())
-        units = {'': 1, 'bit': 1, 'kbit': 1e3, 'mbit': 1e6, 'gbit': 1e9}
-        if m is None or m.group(2) not in units:
-            raise ValueError(
-                'link rate {!r} is not understood; give bit/s or a number '
-                'with kbit, mbit or gbit, e.g. "400mbit"'.format(text))
-        value = float(m.group(1)) * units[m.group(2)]
-    if value <= 0:
-        raise ValueError('link rate must be positive, got {!r}'.format(text))
-    return value
-
-
-def parse_delay(text):
-    """Parses a one-way delay such as ``'0.5ms'`` or ``'100us'``; seconds."""
-    if text is None:
-        return None
-    m = re.fullmatch(r'\s*([0-9]*\.?[0-9]+)\s*(s|ms|us)\s*', str(text))
-    if m is None:
-        raise ValueError('delay {!r} is not understood; give e.g. "0.5ms" '
-                         'or "100us"'.format(text))
-    return float(m.group(1)) * {'s': 1, 'ms': 1e-3, 'us': 1e-6}[m.group(2)]
 
 
 def tbf_burst_bytes(rate_bps):

@@ -25,9 +25,15 @@ import os
 import sys
 import threading
 import traceback
+from typing import NoReturn
 
+from chainermn_overlap import config
 
-ENV_VAR = 'CHAINERMN_OVERLAP_ABORT_ON_EXCEPTION'
+__all__ = ['ABORT_CODE', 'abort_job', 'abort_on_exception_enabled',
+           'disable_abort_on_exception', 'enable_abort_on_exception']
+
+# Defined in chainermn_overlap.config; kept importable from here.
+ENV_VAR = config.ABORT_ON_EXCEPTION_ENV
 
 # Exit status given to MPI_Abort, and grace period for MPI_Abort itself.
 ABORT_CODE = 1
@@ -55,7 +61,7 @@ def _flush():
             pass
 
 
-def abort_job(reason, code=ABORT_CODE):
+def abort_job(reason: str, code: int = ABORT_CODE) -> NoReturn:
     """Writes ``reason`` to stderr and ends every rank of the MPI job.
 
     Calls ``MPI_Abort`` on ``COMM_WORLD``; if that has not ended this
@@ -118,7 +124,7 @@ def _thread_excepthook(args):
             args.exc_type.__name__))
 
 
-def enable_abort_on_exception(threads=True):
+def enable_abort_on_exception(threads: bool = True) -> None:
     """Makes an uncaught exception on any rank end the whole MPI job.
 
     Call it at the start of a training script, on every rank.  The
@@ -153,7 +159,7 @@ def enable_abort_on_exception(threads=True):
         threading.excepthook = _thread_excepthook
 
 
-def disable_abort_on_exception():
+def disable_abort_on_exception() -> None:
     """Restores the exception hooks replaced by enable_abort_on_exception."""
     global _installed
     if _installed is None:
@@ -165,12 +171,11 @@ def disable_abort_on_exception():
     _installed = None
 
 
-def abort_on_exception_enabled():
+def abort_on_exception_enabled() -> bool:
     """True when :func:`enable_abort_on_exception` is in effect."""
     return _installed is not None
 
 
 def _enable_from_environment():
-    if os.environ.get(ENV_VAR, '').strip().lower() not in (
-            '', '0', 'false', 'no', 'off'):
+    if config.resolve_abort_on_exception():
         enable_abort_on_exception()

@@ -1,7 +1,12 @@
 """Everything that decides when and how gradients are communicated."""
-from chainermn_overlap.communication.backends import get_backend  # NOQA
-from chainermn_overlap.communication.backends import register_backend  # NOQA
 from chainermn_overlap.communication.buckets import plan_buckets  # NOQA
-from chainermn_overlap.communication import scheduler  # NOQA  (registers mpi_priority)
-# Imported for its side effect: registers the 'emulated' backend.
+from chainermn_overlap.communication.engine import Engine  # NOQA
+from chainermn_overlap.communication.engine import get_backend  # NOQA
+from chainermn_overlap.communication.engine import register_backend  # NOQA
+# Imported for their side effect: they register 'mpi_thread',
+# 'mpi_priority' and 'emulated'.
+from chainermn_overlap.communication import backends  # NOQA
+from chainermn_overlap.communication import scheduler  # NOQA
 from chainermn_overlap.communication import emulated  # NOQA
+
+__all__ = ['Engine', 'get_backend', 'plan_buckets', 'register_backend']

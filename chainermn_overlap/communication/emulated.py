@@ -32,23 +32,29 @@ its communicator in :class:`EmulatedCommunicator` to time it by the same
 model.
 """
 import functools
-import os
-import re
 import threading
 import time
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
-from chainermn_overlap.communication import backends
+from chainermn_overlap import config
+from chainermn_overlap.communication import engine as engine_module
 
-ENV_VAR = 'CHAINERMN_OVERLAP_EMULATION'
-# The anchor setting: 16 nodes on 10 Gb/s Ethernet.  25 us per ring step is
-# a typical TCP small-message latency on such a network.
-DEFAULTS = {'nodes': 16, 'bandwidth': 10e9, 'latency': 25e-6}
+__all__ = ['DEFAULTS', 'ENV_VAR', 'EmulatedCommunicator', 'LinkModel',
+           'anchor_compute_seconds', 'configure', 'emulated_backend',
+           'parse_settings', 'ring_allreduce_seconds', 'scale_bandwidth',
+           'schedule', 'wire_bytes']
+
+# Defined in chainermn_overlap.config; kept importable from here.
+ENV_VAR = config.EMULATION_ENV
+DEFAULTS = config.EMULATION_DEFAULTS
+parse_settings = config.parse_emulation_settings
 
 
 # ----------------------------------------------------------------------------
 # The model: pure functions.
 
-def ring_allreduce_seconds(nbytes, nodes, alpha, beta):
+def ring_allreduce_seconds(nbytes: float, nodes: int, alpha: float,
+                           beta: float) -> float:
     """Duration of one ring allreduce under the α–β model.
 
     Args:
@@ -71,12 +77,14 @@ def ring_allreduce_seconds(nbytes, nodes, alpha, beta):
     return steps * alpha + steps / float(nodes) * nbytes / beta
 
 
-def wire_bytes(nbytes, nodes):
+def wire_bytes(nbytes: float, nodes: int) -> float:
     """Bytes each node sends in a ring allreduce: ``2 (N-1)/N * nbytes``."""
     return 2.0 * (nodes - 1) / nodes * nbytes
 
 
-def schedule(posts, nodes, alpha, beta, free_at=float('-inf')):
+def schedule(posts: Sequence[Tuple[float, float]], nodes: int, alpha: float,
+             beta: float, free_at: float = float('-inf')
+             ) -> List[Tuple[float, float]]:
     """Start and finish times of collectives serialised on one link.
 
     Args:
@@ -96,7 +104,8 @@ def schedule(posts, nodes, alpha, beta, free_at=float('-inf')):
     return out
 
 
-def scale_bandwidth(bandwidth, anchor_compute_s, local_compute_s):
+def scale_bandwidth(bandwidth: float, anchor_compute_s: float,
+                    local_compute_s: float) -> float:
     """Bandwidth that keeps the anchor's communication/computation ratio.
 
     Communication time scales as ``1 / bandwidth``; to keep
@@ -112,8 +121,9 @@ def scale_bandwidth(bandwidth, anchor_compute_s, local_compute_s):
     return bandwidth * anchor_compute_s / local_compute_s
 
 
-def anchor_compute_seconds(nbytes, nodes, bandwidth, blocking_scalability,
-                           latency=0.0):
+def anchor_compute_seconds(nbytes: float, nodes: int, bandwidth: float,
+                           blocking_scalability: float,
+                           latency: float = 0.0) -> float:
     """Per-iteration compute time implied by a blocking scalability figure.
 
     With blocking communication an iteration takes ``t_c + t_comm``, so the
@@ -134,49 +144,6 @@ def anchor_compute_seconds(nbytes, nodes, bandwidth, blocking_scalability,
     return t_comm * blocking_scalability / (1.0 - blocking_scalability)
 
 
-def parse_settings(text):
-    """Parses ``"nodes=16,bandwidth=10gbit,latency=25us"`` into a dict."""
-    out = {}
-    for item in filter(None, (s.strip() for s in text.split(','))):
-        key, sep, value = item.partition('=')
-        key = key.strip()
-        if not sep or key not in DEFAULTS:
-            raise ValueError(
-                '{}: cannot read {!r}; expected comma-separated key=value '
-                'with keys {}'.format(ENV_VAR, item, ', '.join(DEFAULTS)))
-        if key == 'nodes':
-            out[key] = int(value)
-        elif key == 'bandwidth':
-            out[key] = _parse_rate(value)
-        else:
-            out[key] = _parse_seconds(value)
-    return out
-
-
-def _parse_rate(value):
-    if isinstance(value, (int, float)):
-        return float(value)
-    m = re.fullmatch(r'\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([kmg]?bit)?\s*',
-                     value.lower())
-    if m is None:
-        raise ValueError('bandwidth {!r} is not understood; give bit/s or '
-                         'e.g. "10gbit"'.format(value))
-    unit = {None: 1, 'bit': 1, 'kbit': 1e3, 'mbit': 1e6, 'gbit': 1e9}
-    return float(m.group(1)) * unit[m.group(2)]
-
-
-def _parse_seconds(value):
-    if isinstance(value, (int, float)):
-        return float(value)
-    m = re.fullmatch(r'\s*([0-9]*\.?[0-9]+(?:e-?[0-9]+)?)\s*(s|ms|us)?\s*',
-                     value.lower())
-    if m is None:
-        raise ValueError('latency {!r} is not understood; give seconds or '
-                         'e.g. "25us"'.format(value))
-    return float(m.group(1)) * {None: 1, 's': 1, 'ms': 1e-3,
-                                'us': 1e-6}[m.group(2)]
-
-
 class LinkModel(object):
     """One node's link: collectives are timed by the ring model, in order.
 
@@ -186,21 +153,24 @@ class LinkModel(object):
         latency (float or str): α, seconds per ring step (or ``'25us'``).
     """
 
-    def __init__(self, nodes, bandwidth, latency):
+    def __init__(self, nodes: int, bandwidth: Union[float, str],
+                 latency: Union[float, str]) -> None:
         self.nodes = int(nodes)
-        self.bandwidth = _parse_rate(bandwidth)
-        self.latency = _parse_seconds(latency)
+        self.bandwidth = config.parse_rate(bandwidth, 'bandwidth')
+        self.latency = config.parse_duration(latency, 'latency')
         # Validates the arguments once, here, rather than in the thread.
         ring_allreduce_seconds(0, self.nodes, self.latency,
                                self.bandwidth / 8.0)
         self.free_at = float('-inf')
         self._lock = threading.Lock()
 
-    def duration(self, nbytes):
+    def duration(self, nbytes: float) -> float:
+        """Seconds one collective of ``nbytes`` takes on this link."""
         return ring_allreduce_seconds(nbytes, self.nodes, self.latency,
                                       self.bandwidth / 8.0)
 
-    def reserve(self, posted_at, nbytes):
+    def reserve(self, posted_at: float, nbytes: float
+                ) -> Tuple[float, float]:
         """Books the link for one collective; returns ``(start, finish)``."""
         with self._lock:
             (start, finish), = schedule([(posted_at, nbytes)], self.nodes,
@@ -209,12 +179,14 @@ class LinkModel(object):
             self.free_at = finish
         return start, finish
 
-    def label(self):
+    def label(self) -> str:
+        """A one-line description, marked as an emulation."""
         return ('emulation: ring allreduce over {} virtual nodes, {:g} Gbit/s,'
                 ' alpha {:g} us'.format(self.nodes, self.bandwidth / 1e9,
                                         self.latency * 1e6))
 
-    def describe(self):
+    def describe(self) -> Dict[str, Any]:
+        """The model's settings as a JSON-able dict."""
         return {'emulation': True, 'model': 'alpha-beta ring allreduce, '
                 'collectives serialised on one link',
                 'nodes': self.nodes, 'bandwidth_bit_per_s': self.bandwidth,
@@ -241,7 +213,7 @@ def _nbytes(buf):
 
 
 class _ModelledComm(object):
-    """Stands in for a backend's duplicated communicator.
+    """The communicator an emulated engine is constructed with.
 
     Each ``Allreduce`` runs for real, then returns when the link model says
     that collective would have finished.  A backend's communication thread
@@ -275,59 +247,76 @@ class _ModelledComm(object):
 def _default_base():
     # The engine the overlapped optimizer uses by default, so that an
     # emulation measures the same scheduling as a real run.
-    return 'mpi_priority' if 'mpi_priority' in backends._BACKENDS \
-        else 'mpi_thread'
+    return ('mpi_priority' if 'mpi_priority' in engine_module._BACKENDS
+            else 'mpi_thread')
 
 
-def emulated_backend(mpi_comm, base=None, nodes=None, bandwidth=None,
-                     latency=None, **kwargs):
-    """A backend whose collectives complete as :class:`LinkModel` says.
+def emulated_backend(mpi_comm: Any, *, timeout: Any = None,
+                     stall_warning: Any = None, debug: Optional[bool] = None,
+                     base: Optional[str] = None,
+                     link: Optional['LinkModel'] = None,
+                     nodes: Optional[int] = None,
+                     bandwidth: Union[None, float, str] = None,
+                     latency: Union[None, float, str] = None,
+                     **base_options: Any) -> engine_module.Engine:
+    """An engine whose collectives complete as :class:`LinkModel` says.
 
     The real engine ``base`` (same ordering, chunking, priorities, watchdog
-    and error handling) runs on a communicator whose ``Allreduce`` first
-    reduces for real over the processes that exist, then waits for the
-    model.  If the real reduction is slower than the model, completion is as
-    late as the real one (counted in ``backend.comm.late``).
+    and error handling) is constructed with a communicator whose
+    ``Allreduce`` first reduces for real over the processes that exist,
+    then waits for the model.  If the real reduction is slower than the
+    model, completion is as late as the real one (counted in
+    ``engine.comm.late``).
 
     Args:
         mpi_comm: ``mpi4py`` communicator (``MPI.COMM_SELF`` for one
-            process).
+            process); collective over it.
+        timeout, stall_warning, debug: as for every engine (see
+            :class:`~chainermn_overlap.communication.engine.Engine`).
         base (str): the engine to time, a registered backend name; default
             ``'mpi_priority'`` (the optimizer's default) when registered,
             else ``'mpi_thread'``.
+        link (LinkModel): the emulated link; or give
         nodes, bandwidth, latency: the link, as in :class:`LinkModel`;
             default :data:`DEFAULTS` overridden by ``CHAINERMN_OVERLAP_
             EMULATION``.
-        **kwargs: options of the base engine (e.g. ``chunk_bytes``).
+        **base_options: policy options of the base engine (e.g.
+            ``chunk_bytes``).
 
     Returns:
-        The base backend, with ``link`` (the model) and ``emulation`` (its
+        The base engine, with ``link`` (the model) and ``emulation`` (its
         description, labelled as an emulation) attributes.
     """
-    settings = dict(DEFAULTS)
-    settings.update(parse_settings(os.environ.get(ENV_VAR, '')))
-    for key, value in (('nodes', nodes), ('bandwidth', bandwidth),
-                       ('latency', latency)):
-        if value is not None:
-            settings[key] = value
-    link = LinkModel(**settings)
+    if link is None:
+        link = LinkModel(**config.resolve_emulation(nodes, bandwidth,
+                                                    latency))
+    elif (nodes, bandwidth, latency) != (None, None, None):
+        raise ValueError('give the emulated link either as link= or as '
+                         'nodes=, bandwidth= and latency=, not both')
     base = base or _default_base()
     if base == 'emulated' or base.startswith('emulated:'):
         raise ValueError('the base of an emulated backend must be a real '
                          'engine such as mpi_thread, not {!r}'.format(base))
-    backend = backends.get_backend(base)(mpi_comm, **kwargs)
-    # Nothing is posted before this returns, so the communication thread
-    # only ever uses the modelled communicator.
-    backend.comm = _ModelledComm(backend.comm, link)
-    backend.link = link
-    backend.emulation = dict(link.describe(), base=base)
-    return backend
+    factory = engine_module.get_backend(base)
+    comm = _ModelledComm(mpi_comm.Dup(), link)
+    try:
+        engine = factory(mpi_comm, timeout=timeout,
+                         stall_warning=stall_warning, debug=debug, comm=comm,
+                         **base_options)
+    except BaseException:
+        comm.Free()
+        raise
+    engine.link = link
+    engine.emulation = dict(link.describe(), base=base)
+    return engine
 
 
-backends.register_backend('emulated', emulated_backend)
+engine_module.register_backend('emulated', emulated_backend)
 
 
-def configure(nodes, bandwidth, latency=DEFAULTS['latency'], base=None):
+def configure(nodes: int, bandwidth: Union[float, str],
+              latency: Union[float, str] = DEFAULTS['latency'],
+              base: Optional[str] = None) -> str:
     """Registers an emulated backend with these settings; returns its name.
 
     Args:
@@ -344,9 +333,9 @@ def configure(nodes, bandwidth, latency=DEFAULTS['latency'], base=None):
     name = 'emulated:nodes={},bandwidth={:g},latency={:g}'.format(
         link.nodes, link.bandwidth, link.latency)
     if base is not None:
-        backends.get_backend(base)  # an unknown name fails here
+        engine_module.get_backend(base)  # an unknown name fails here
         name += ',base={}'.format(base)
-    backends.register_backend(name, functools.partial(
+    engine_module.register_backend(name, functools.partial(
         emulated_backend, base=base, nodes=link.nodes,
         bandwidth=link.bandwidth, latency=link.latency))
     return name
@@ -371,7 +360,9 @@ class EmulatedCommunicator(object):
         object.__setattr__(self, '_comm', communicator)
         object.__setattr__(self, 'link', link)
 
-    def multi_node_mean_grad(self, model, zero_fill=False):
+    def multi_node_mean_grad(self, model: Any, zero_fill: bool = False
+                             ) -> None:
+        """Averages the gradients, returning when the model says."""
         nbytes = 0
         for param in model.params():
             if param.array is None:

@@ -19,13 +19,25 @@ items in index order, so it will come.
 
 Items are grouped by *round* (one optimizer iteration): a round's items all
 finish before the next round's start, so rounds never interleave.
+
+In debug mode every chunk and every control exchange is checked across
+ranks before it runs (see :class:`~chainermn_overlap.communication.engine.
+Engine`), so a rank that posts a different item, or a round of a different
+size, is named instead of reducing unrelated data or hanging.
 """
 import threading
 import time
+from typing import Any, Collection, Mapping, Optional
 
 import numpy
 
-from chainermn_overlap.communication import backends
+from chainermn_overlap.communication.engine import Engine
+from chainermn_overlap.communication.engine import Handle
+from chainermn_overlap.communication.engine import register_backend
+
+__all__ = ['DEFAULT_CHUNK_BYTES', 'PriorityMpiBackend', 'choose']
+
+DEFAULT_CHUNK_BYTES = 4 * 1024 * 1024
 
 
 class _Item(object):
@@ -52,7 +64,8 @@ class _Round(object):
         self.known_posted = set()
 
 
-def choose(unfinished, known_posted, priorities):
+def choose(unfinished: Collection[int], known_posted: Collection[int],
+           priorities: Mapping[int, float]) -> Optional[int]:
     """The next item to run, or None if an exchange is needed.
 
     A pure function of knowledge shared by all ranks.
@@ -68,34 +81,33 @@ def choose(unfinished, known_posted, priorities):
     return max(ready, key=lambda i: (priorities[i], -i))
 
 
-class PriorityMpiBackend(backends.CommunicationBackend):
+class PriorityMpiBackend(Engine):
     """Chunked, priority-ordered reductions by a communication thread.
 
     Args:
-        mpi_comm: communicator to duplicate.
+        mpi_comm: communicator to duplicate (collective over it).
         chunk_bytes (int): largest chunk reduced in one call; a
             higher-priority item can start at every chunk boundary.
+        **options: ``timeout``, ``stall_warning``, ``debug`` and ``comm``,
+            as in :class:`~chainermn_overlap.communication.engine.Engine`.
     """
 
     name = 'mpi_priority'
 
-    def __init__(self, mpi_comm, chunk_bytes=4 * 1024 * 1024):
-        backends.check_thread_multiple(self.name)
-        self.rank = mpi_comm.Get_rank()
-        self.comm = mpi_comm.Dup()
+    def __init__(self, mpi_comm: Any, *,
+                 chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+                 **options: Any) -> None:
         self.chunk_bytes = int(chunk_bytes)
         self._cond = threading.Condition()
         self._rounds = {}
         self._order = []
-        self._closed = False
-        self._failed = None
+        # Control exchanges so far; the same count on every rank.
         self.exchanges = 0
-        self._thread = threading.Thread(
-            target=self._run, name='chainermn_overlap-comm', daemon=True)
-        self._thread.start()
-        backends._LIVE.add(self)
+        super().__init__(mpi_comm, **options)
 
-    def allreduce(self, array, op='sum', label=None, slot=None, priority=0):
+    def allreduce(self, array: Any, op: str = 'sum',
+                  label: Optional[str] = None, slot: Any = None,
+                  priority: float = 0) -> Handle:
         """Posts an in-place allreduce.
 
         Args:
@@ -105,12 +117,9 @@ class PriorityMpiBackend(backends.CommunicationBackend):
                 own.
             priority: larger runs first among items posted on all ranks.
         """
-        if self._closed:
-            raise RuntimeError('the communication backend was closed')
-        label = label or 'array of {} elements'.format(array.size)
-        host, finish = backends.stage_to_host(array)
-        # Numbered and watched (timeout, stall reports) by the base class.
-        handle = self.new_handle(label, finish, nbytes=array.nbytes)
+        return super().allreduce(array, op, label, slot, priority)
+
+    def _enqueue(self, handle, host, op, slot, priority):
         with self._cond:
             if slot is None:
                 slot = (('solo', id(handle)), 0, 1)
@@ -120,12 +129,17 @@ class PriorityMpiBackend(backends.CommunicationBackend):
                 rnd = self._rounds[key] = _Round(key, n_items)
                 self._order.append(key)
             item = _Item(index, host, op, priority, handle)
-            item.step = max(1, self.chunk_bytes // max(1, host.itemsize))
+            # A collective of the caller's own (run()) cannot be sliced.
+            item.step = (max(1, item.nelems) if callable(op) else
+                         max(1, self.chunk_bytes // max(1, host.itemsize)))
             rnd.items[index] = item
             self._cond.notify()
-        return handle
 
-    def _run(self):
+    def _wake(self):
+        with self._cond:
+            self._cond.notify_all()
+
+    def _serve(self):
         while True:
             with self._cond:
                 while not self._order and not self._closed:
@@ -133,13 +147,12 @@ class PriorityMpiBackend(backends.CommunicationBackend):
                 if not self._order:
                     return
                 rnd = self._rounds[self._order[0]]
-            self._serve(rnd)
+            self._serve_round(rnd)
             with self._cond:
                 del self._rounds[rnd.key]
                 self._order.pop(0)
 
-    def _serve(self, rnd):
-        from mpi4py import MPI
+    def _serve_round(self, rnd):
         flags = numpy.zeros(rnd.n_items, dtype=numpy.int32)
         while len(rnd.done) < rnd.n_items:
             unfinished = [i for i in range(rnd.n_items) if i not in rnd.done]
@@ -153,17 +166,7 @@ class PriorityMpiBackend(backends.CommunicationBackend):
             # knowledge only, so every rank exchanges at the same points.
             if nxt is None or any(i not in rnd.known_posted
                                   for i in unfinished):
-                # Learn what every rank has posted (a MIN over flags).
-                flags[:] = 0
-                for i in posted:
-                    flags[i] = 1
-                if self._failed is None:
-                    try:
-                        self.comm.Allreduce(MPI.IN_PLACE, flags, op=MPI.MIN)
-                    except Exception as e:  # reported to waiters
-                        self._failed = e
-                self.exchanges += 1
-                rnd.known_posted.update(int(i) for i in numpy.nonzero(flags)[0])
+                self._exchange(rnd, posted, flags)
                 nxt = choose(unfinished, rnd.known_posted, prio)
                 if nxt is None:
                     # Nothing posted everywhere yet: the lowest unfinished
@@ -180,49 +183,32 @@ class PriorityMpiBackend(backends.CommunicationBackend):
             self._run_chunk(item)
             if item.offset >= item.nelems:
                 rnd.done.add(nxt)
-                item.handle.finished_at = time.perf_counter()
-                item.handle._event.set()
+                self._complete(item.handle)
+
+    def _exchange(self, rnd, posted, flags):
+        """Learns which items every rank has posted (a MIN over flags)."""
+        flags[:] = 0
+        for i in posted:
+            flags[i] = 1
+        self.exchanges += 1
+        self._reduce(flags, 'min', what='control exchange #{}'.format(
+            self.exchanges), label='which of the {} items of a round are '
+            'posted'.format(rnd.n_items))
+        rnd.known_posted.update(int(i) for i in numpy.nonzero(flags)[0])
 
     def _run_chunk(self, item):
-        from mpi4py import MPI
         h = item.handle
-        if h.started_at is None:
-            h.started_at = time.perf_counter()
         a, b = item.offset, min(item.offset + item.step, item.nelems)
-        if self._failed is not None:
-            h.error = RuntimeError(
-                'not attempted: an earlier reduction on rank {} failed ({})'
-                .format(self.rank, self._failed))
-            item.offset = item.nelems
-            return
+        # Checked per chunk in debug mode: ranks must agree on the piece.
+        label = ('{} [elements {}:{} of {}]'.format(h.label, a, b,
+                                                     item.nelems)
+                 if self.debug else None)
+        attempted = self._attempts()
         t0 = time.perf_counter()
-        try:
-            self.comm.Allreduce(MPI.IN_PLACE, item.host[a:b],
-                                op=backends._mpi_op(item.op))
-        except Exception as e:  # reported to the waiting thread
-            self._failed = e
-            h.error = RuntimeError('rank {}: {}'.format(self.rank, e))
-            b = item.nelems
-        h.spans.append((t0, time.perf_counter()))
-        item.offset = b
-
-    def close(self):
-        if self._closed:
-            return
-        with self._cond:
-            self._closed = True
-            self._cond.notify_all()
-        self.close_inspector()
-        # After a watchdog timeout the thread may be inside a collective
-        # that never completes: do not wait for it (exit then aborts).
-        self._thread.join(None if self.stuck is None else 1.0)
-        if self._thread.is_alive():
-            return
-        try:
-            self.comm.Free()
-        except Exception:  # MPI may already be finalized at exit
-            pass
-        backends._LIVE.discard(self)
+        ok = self._reduce(item.host[a:b], item.op, h, label=label)
+        if attempted:
+            h.spans.append((t0, time.perf_counter()))
+        item.offset = b if ok else item.nelems
 
 
-backends.register_backend(PriorityMpiBackend.name, PriorityMpiBackend)
+register_backend(PriorityMpiBackend.name, PriorityMpiBackend)

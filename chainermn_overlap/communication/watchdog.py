@@ -31,77 +31,30 @@ import traceback
 import warnings
 import weakref
 import zlib
+from typing import Any, Callable, Dict, Optional, Sequence
 
 import numpy
 
+from chainermn_overlap import config
 from chainermn_overlap.errors import CollectiveMismatchError
 from chainermn_overlap.errors import CommunicationTimeout
 from chainermn_overlap.errors import StallWarning
 
+__all__ = ['StallInspector', 'Watchdog', 'check_control',
+           'check_same_collective', 'control_message', 'layout_fingerprint',
+           'main_thread_location']
 
-TIMEOUT_ENV = 'CHAINERMN_OVERLAP_TIMEOUT'
-STALL_ENV = 'CHAINERMN_OVERLAP_STALL_WARNING'
-DEBUG_ENV = 'CHAINERMN_OVERLAP_DEBUG'
-# Like PyTorch's NCCL watchdog: generous enough for a slow first iteration
-# or a snapshot written by one rank, short enough not to bill hours.
-DEFAULT_TIMEOUT = 600.0
-_DISABLED = ('none', 'off', 'inf', 'infinity', 'never', 'false', 'no')
+# Kept importable from here, where they used to live.
+TIMEOUT_ENV = config.TIMEOUT_ENV
+STALL_ENV = config.STALL_WARNING_ENV
+DEBUG_ENV = config.DEBUG_ENV
+DEFAULT_TIMEOUT = config.DEFAULT_TIMEOUT
+parse_seconds = config.parse_seconds
+resolve_timeout = config.resolve_timeout
+resolve_stall_warning = config.resolve_stall_warning
+resolve_debug = config.resolve_debug
 
 _INT64_MIN = numpy.iinfo(numpy.int64).min
-
-
-def parse_seconds(value, what):
-    """A duration in seconds, or ``None`` for "never".
-
-    ``0``, a negative number, ``inf`` and strings such as ``'none'`` or
-    ``'off'`` disable.
-    """
-    if value is None:
-        return None
-    if isinstance(value, str):
-        text = value.strip().lower()
-        if text in _DISABLED or text == '':
-            return None
-        try:
-            value = float(text)
-        except ValueError:
-            raise ValueError(
-                '{} must be a number of seconds (0 or "none" disables), got '
-                '{!r}'.format(what, value))
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ValueError('{} must be a number of seconds (0 or "none" '
-                         'disables), got {!r}'.format(what, value))
-    value = float(value)
-    if value != value:
-        raise ValueError('{} must not be NaN'.format(what))
-    if value <= 0 or value == float('inf'):
-        return None
-    return value
-
-
-def resolve_timeout(option):
-    """The watchdog timeout: the option, else the environment, else 600 s."""
-    if option is None:
-        env = os.environ.get(TIMEOUT_ENV)
-        if env is None:
-            return DEFAULT_TIMEOUT
-        return parse_seconds(env, TIMEOUT_ENV)
-    return parse_seconds(option, 'timeout')
-
-
-def resolve_stall_warning(option):
-    """The stall threshold: the option, else the environment, else off."""
-    if option is None:
-        return parse_seconds(os.environ.get(STALL_ENV), STALL_ENV)
-    return parse_seconds(option, 'stall_warning')
-
-
-def resolve_debug(option):
-    """Whether every collective is checked: the option, else the env."""
-    if option is None:
-        return os.environ.get(DEBUG_ENV, '').strip().lower() not in (
-            '', '0', 'false', 'no', 'off')
-    return bool(option)
 
 
 def _fmt_s(seconds):
@@ -123,12 +76,13 @@ class Watchdog(object):
             :class:`StallWarning` reports.
     """
 
-    def __init__(self, backend, timeout, stall_warning):
+    def __init__(self, backend: Any, timeout: Optional[float],
+                 stall_warning: Optional[float]) -> None:
         self.backend = backend
         self.timeout = timeout
         self.stall_warning = stall_warning
 
-    def wait(self, handle, timeout=None):
+    def wait(self, handle: Any, timeout: Optional[float] = None) -> None:
         """Blocks until ``handle`` completed; raises on timeout.
 
         Args:
@@ -167,16 +121,18 @@ class Watchdog(object):
         if inspector is None:
             return ('(Which ranks have not posted it is unknown: stall '
                     'diagnosis is off; set {}=<seconds> on every rank.)'
-                    .format(STALL_ENV))
+                    .format(config.STALL_WARNING_ENV))
         return inspector.report(handle)
 
-    def stall_message(self, handle, waited):
+    def stall_message(self, handle: Any, waited: float) -> str:
+        """The text of a :class:`StallWarning` about ``handle``."""
         return ('rank {}: has waited {} for {} ({}). {}'.format(
             self.backend.rank, _fmt_s(waited), handle.label,
             self.backend.describe_progress(handle),
             self._diagnosis(handle)))
 
-    def timeout_message(self, handle, waited):
+    def timeout_message(self, handle: Any, waited: float) -> str:
+        """The text of a :class:`CommunicationTimeout` about ``handle``."""
         return (
             'rank {rank}: timed out after {waited} waiting for {label} '
             '({nbytes} bytes; {progress}). {diag} Another rank has not '
@@ -194,8 +150,8 @@ class Watchdog(object):
                 rank=self.backend.rank, waited=_fmt_s(waited),
                 label=handle.label, nbytes=handle.nbytes,
                 progress=self.backend.describe_progress(handle),
-                diag=self._diagnosis(handle), stall=STALL_ENV,
-                env=TIMEOUT_ENV))
+                diag=self._diagnosis(handle),
+                stall=config.STALL_WARNING_ENV, env=config.TIMEOUT_ENV))
 
 
 # ----------------------------------------------------------------------------
@@ -208,7 +164,7 @@ _TAG_REPLY = 7302
 _REPLY_BYTES = 2048
 
 
-def main_thread_location(depth=3):
+def main_thread_location(depth: int = 3) -> str:
     """``file:line in function`` of the main thread's innermost frames."""
     frame = sys._current_frames().get(threading.main_thread().ident)
     if frame is None:
@@ -236,7 +192,8 @@ class StallInspector(object):
         poll (float): seconds between polls of the answering thread.
     """
 
-    def __init__(self, mpi_comm, status, poll=0.2, owner=None):
+    def __init__(self, mpi_comm: Any, status: Callable[[], Dict[str, Any]],
+                 poll: float = 0.2, owner: Any = None) -> None:
         self.comm = mpi_comm.Dup()
         # Stops by itself once its backend is closed or garbage collected.
         self._owner = None if owner is None else weakref.ref(owner)
@@ -254,7 +211,8 @@ class StallInspector(object):
             daemon=True)
         self._thread.start()
 
-    def status(self):
+    def status(self) -> Dict[str, Any]:
+        """This rank's status, as its owner reports it."""
         if self._status_fn is not None:
             return self._status_fn()
         owner = self._owner()
@@ -325,7 +283,8 @@ class StallInspector(object):
                                           dest=status.Get_source(),
                                           tag=_TAG_REPLY), out))
 
-    def ask_all(self, deadline=2.0):
+    def ask_all(self, deadline: float = 2.0
+                ) -> Dict[int, Optional[Dict[str, Any]]]:
         """Status of every rank: ``{rank: dict or None}`` (None: no answer).
 
         Args:
@@ -369,7 +328,7 @@ class StallInspector(object):
                 s.Free()
         return out
 
-    def report(self, handle, deadline=2.0):
+    def report(self, handle: Any, deadline: float = 2.0) -> str:
         """Which ranks have not posted ``handle``'s collective, as text."""
         seq = handle.seq
         statuses = self.ask_all(deadline)
@@ -406,7 +365,7 @@ class StallInspector(object):
             head += ', ranks {} did not answer'.format(silent)
         return head + '. ' + '; '.join(lines) + '.'
 
-    def close(self):
+    def close(self) -> None:
         """Stops the answering thread (it frees its communicator)."""
         if not self._thread.is_alive():
             return
@@ -417,14 +376,15 @@ class StallInspector(object):
 # ----------------------------------------------------------------------------
 # Collective-sequence check carried by the control message
 
-def layout_fingerprint(buckets):
+def layout_fingerprint(buckets: Sequence[Any]) -> int:
     """A 31-bit fingerprint of the bucket layout (members, sizes, dtypes)."""
     text = '|'.join('{}:{}:{}'.format(b.plan.dtype.str, b.plan.nelems,
                                       ','.join(b.names)) for b in buckets)
     return zlib.crc32(text.encode()) & 0x7fffffff
 
 
-def control_message(changed, loaded, rank, size, fingerprint, iteration):
+def control_message(changed: bool, loaded: bool, rank: int, size: int,
+                    fingerprint: int, iteration: int) -> numpy.ndarray:
     """The per-iteration control buffer, reduced with ``MAX``.
 
     ``[changed, -loaded, fingerprint per rank..., iteration per rank...]``:
@@ -440,7 +400,7 @@ def control_message(changed, loaded, rank, size, fingerprint, iteration):
     return buf
 
 
-def check_control(buf, rank, size):
+def check_control(buf: numpy.ndarray, rank: int, size: int) -> None:
     """Raises CollectiveMismatchError if ranks disagree, naming them."""
     if len(buf) < 2 + 2 * size:
         return
@@ -465,3 +425,55 @@ def check_control(buf, rank, size):
             'batch; give it a zero-sample batch instead) or runs an extra '
             'one reduces unrelated gradients together or hangs.'.format(
                 rank, ' | '.join(problems)))
+
+
+# Labels exchanged when ranks disagree, truncated to this many bytes each.
+_LABEL_BYTES = 200
+
+
+def check_same_collective(comm: Any, rank: int, size: int, what: str,
+                          label: str, buf: numpy.ndarray, op: str) -> None:
+    """Debug mode: checks that every rank is about to run this collective.
+
+    An allgather (as ``MAX`` over per-rank slots, on ``comm``) of a
+    fingerprint of label, dtype, size and operation; on disagreement the
+    labels are exchanged too, so that the error names each rank's
+    collective.  Collective: every rank of ``comm`` calls it.
+
+    Args:
+        comm: the ``mpi4py`` communicator the collective runs on.
+        rank, size: this rank and the number of ranks of ``comm``.
+        what (str): the collective, for the message (``'collective #3'``).
+        label (str): what each rank means to reduce, compared and shown.
+        buf: the buffer about to be reduced.
+        op (str): the reduction (``'sum'``, ``'max'``, ``'min'``).
+
+    Raises:
+        CollectiveMismatchError: on every rank, if any rank differs.
+    """
+    from mpi4py import MPI
+    text = '{}|{}|{}|{}'.format(label, buf.dtype.str, buf.size, op)
+    fp = zlib.crc32(text.encode()) & 0x7fffffff
+    vec = numpy.full(2 * size, _INT64_MIN, dtype=numpy.int64)
+    vec[rank] = fp
+    vec[size + rank] = buf.nbytes
+    comm.Allreduce(MPI.IN_PLACE, vec, op=MPI.MAX)
+    if (vec[:size] == fp).all():
+        return
+    width = _LABEL_BYTES
+    mine = numpy.zeros(width, dtype=numpy.uint8)
+    enc = label.encode()[:width]
+    mine[:len(enc)] = numpy.frombuffer(enc, dtype=numpy.uint8)
+    labels = numpy.empty(width * size, dtype=numpy.uint8)
+    comm.Allgather([mine, MPI.BYTE], [labels, MPI.BYTE])
+    desc = '; '.join(
+        'rank {}: {!r} ({} bytes)'.format(
+            r, labels[r * width:(r + 1) * width].tobytes()
+            .rstrip(b'\0').decode(errors='replace'),
+            int(vec[size + r]))
+        for r in range(size))
+    raise CollectiveMismatchError(
+        'rank {}: {} differs between ranks ({}). Every rank must post the '
+        'same collectives in the same order: build the same model and call '
+        'update() the same number of times on every rank.'.format(
+            rank, what, desc))

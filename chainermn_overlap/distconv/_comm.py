@@ -10,23 +10,15 @@ import numpy
 from chainer import backend
 from mpi4py import MPI
 
+from chainermn_overlap._host import is_host as _is_host
+from chainermn_overlap._host import to_host
+
 # One tag for every distconv message. Several exchanges can be in flight at
 # once (overlapped layers in different branches during backward), but every
 # process of a group posts them in the same order (the same graph is run
 # everywhere) and MPI keeps messages between a pair in order, so a single
 # tag cannot mismatch on the grid's private communicators.
 _TAG = 7301
-
-
-def _is_host(arr):
-    return isinstance(arr, numpy.ndarray)
-
-
-def to_host(arr):
-    """Returns a C-contiguous host copy (or view) of ``arr``."""
-    if _is_host(arr):
-        return numpy.ascontiguousarray(arr)
-    return numpy.ascontiguousarray(backend.CpuDevice().send(arr))
 
 
 def like(host, template):

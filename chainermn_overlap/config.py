@@ -1,0 +1,326 @@
+"""Options and environment variables, parsed in one place.
+
+Every option of the library that is a size, a duration or a rate is parsed
+here, and every environment variable is read here, so that each spelling is
+accepted (and each mistake reported) the same way everywhere.
+
+Environment variables.  Pass the same value to every rank (for example
+``mpiexec -genv NAME VALUE``): settings that start collectives (the stall
+inspector) must agree between ranks.
+
+``CHAINERMN_OVERLAP_TIMEOUT`` (:data:`TIMEOUT_ENV`)
+    Watchdog: seconds any wait for a reduction may take before
+    :class:`~chainermn_overlap.CommunicationTimeout` is raised.  Default
+    600 (:data:`DEFAULT_TIMEOUT`); ``0`` or ``none`` disables.  The
+    optimizers' ``timeout=`` option wins over it.
+``CHAINERMN_OVERLAP_STALL_WARNING`` (:data:`STALL_WARNING_ENV`)
+    Stall diagnosis: seconds of waiting before (and between)
+    :class:`~chainermn_overlap.StallWarning` reports that name the ranks
+    which have not posted the awaited collective.  Default off.  The
+    ``stall_warning=`` option wins over it.
+``CHAINERMN_OVERLAP_DEBUG`` (:data:`DEBUG_ENV`)
+    ``1``: before each collective every engine checks that all ranks post
+    the same one (one extra tiny allreduce each).  Default off; the
+    ``debug=`` option wins over it.
+``CHAINERMN_OVERLAP_EMULATION`` (:data:`EMULATION_ENV`)
+    Link of the ``'emulated'`` engine, as ``nodes=16,bandwidth=10gbit,
+    latency=25us`` (any subset; the rest from :data:`EMULATION_DEFAULTS`).
+``CHAINERMN_OVERLAP_ABORT_ON_EXCEPTION`` (:data:`ABORT_ON_EXCEPTION_ENV`)
+    ``1``: importing ``chainermn_overlap`` calls
+    :func:`~chainermn_overlap.enable_abort_on_exception`, so that an
+    uncaught exception on one rank ends the whole job.
+``CHAINERMN_OVERLAP_RESTART`` (:data:`RESTART_ENV`)
+    Set by the restarting launcher (``python -m chainermn_overlap.launch``)
+    for every rank: the attempt number, 0 on the first attempt, then 1, 2,
+    ...
+``CHAINERMN_OVERLAP_PROGRESS_FILE`` (:data:`PROGRESS_FILE_ENV`)
+    Set by the launcher: a file where
+    :func:`~chainermn_overlap.extensions.auto_snapshot` records resumes and
+    snapshots (JSON lines written by rank 0), so that the launcher can tell
+    an attempt that made progress from one that did not.
+``CHAINERMN_OVERLAP_LAUNCH_DEATHS`` (:data:`LAUNCH_DEATHS_ENV`)
+    Set by the launcher for its per-rank parent processes: a file where
+    each records how its rank ended when it ended abnormally.
+``CHAINERMN_OVERLAP_TEST_OPTIMIZER`` (:data:`TEST_OPTIMIZER_ENV`)
+    Test suite only (:mod:`chainermn_overlap.testing.equivalence`): the
+    optimizer under test, ``overlap`` (default) or ``chainermn`` (validates
+    the harness with ChainerMN's own optimizer).
+``CHAINERMN_OVERLAP_LOGDIR`` (:data:`TEST_LOGDIR_ENV`)
+    Test suite only: the folder ``tests/mpi_run.py`` gives its ranks for
+    their logs; set by that launcher.
+
+Flags (``DEBUG``, ``ABORT_ON_EXCEPTION``) are off when unset, empty, ``0``,
+``false``, ``no`` or ``off``, and on otherwise.
+"""
+import math
+import os
+import re
+from typing import Any, Dict, Optional, Union
+
+__all__ = [
+    'ABORT_ON_EXCEPTION_ENV', 'DEBUG_ENV', 'DEFAULT_TIMEOUT',
+    'EMULATION_DEFAULTS', 'EMULATION_ENV', 'ENVIRONMENT_VARIABLES',
+    'LAUNCH_DEATHS_ENV', 'PROGRESS_FILE_ENV', 'RESTART_ENV',
+    'STALL_WARNING_ENV', 'TEST_LOGDIR_ENV', 'TEST_OPTIMIZER_ENV',
+    'TIMEOUT_ENV', 'parse_delay', 'parse_duration',
+    'parse_emulation_settings', 'parse_flag', 'parse_rate', 'parse_seconds',
+    'parse_size', 'resolve_abort_on_exception', 'resolve_debug',
+    'resolve_emulation', 'resolve_stall_warning', 'resolve_timeout',
+]
+
+Number = Union[int, float]
+
+TIMEOUT_ENV = 'CHAINERMN_OVERLAP_TIMEOUT'
+STALL_WARNING_ENV = 'CHAINERMN_OVERLAP_STALL_WARNING'
+DEBUG_ENV = 'CHAINERMN_OVERLAP_DEBUG'
+EMULATION_ENV = 'CHAINERMN_OVERLAP_EMULATION'
+ABORT_ON_EXCEPTION_ENV = 'CHAINERMN_OVERLAP_ABORT_ON_EXCEPTION'
+RESTART_ENV = 'CHAINERMN_OVERLAP_RESTART'
+PROGRESS_FILE_ENV = 'CHAINERMN_OVERLAP_PROGRESS_FILE'
+LAUNCH_DEATHS_ENV = 'CHAINERMN_OVERLAP_LAUNCH_DEATHS'
+TEST_OPTIMIZER_ENV = 'CHAINERMN_OVERLAP_TEST_OPTIMIZER'
+TEST_LOGDIR_ENV = 'CHAINERMN_OVERLAP_LOGDIR'
+ENVIRONMENT_VARIABLES = (
+    TIMEOUT_ENV, STALL_WARNING_ENV, DEBUG_ENV, EMULATION_ENV,
+    ABORT_ON_EXCEPTION_ENV, RESTART_ENV, PROGRESS_FILE_ENV,
+    LAUNCH_DEATHS_ENV, TEST_OPTIMIZER_ENV, TEST_LOGDIR_ENV)
+
+# Like PyTorch's NCCL watchdog: generous enough for a slow first iteration
+# or a snapshot written by one rank, short enough not to bill hours.
+DEFAULT_TIMEOUT = 600.0
+# The anchor setting of the emulated engine: 16 nodes on 10 Gb/s Ethernet.
+# 25 us per ring step is a typical TCP small-message latency there.
+EMULATION_DEFAULTS = {'nodes': 16, 'bandwidth': 10e9, 'latency': 25e-6}
+
+_DISABLED = ('', 'none', 'off', 'inf', 'infinity', 'never', 'false', 'no')
+_FALSE = ('', '0', 'false', 'no', 'off')
+_SIZE_UNITS = {'': 1, 'b': 1, 'kb': 10 ** 3, 'mb': 10 ** 6, 'gb': 10 ** 9,
+               'kib': 2 ** 10, 'mib': 2 ** 20, 'gib': 2 ** 30}
+_RATE_UNITS = {'': 1, 'bit': 1, 'kbit': 1e3, 'mbit': 1e6, 'gbit': 1e9}
+_TIME_UNITS = {'': 1, 's': 1, 'ms': 1e-3, 'us': 1e-6}
+_DIGITS = r'[0-9]*\.?[0-9]+'
+_EXPONENT = r'(?:e-?[0-9]+)?'
+
+
+def _number_with_unit(text: str, units: Dict[str, float],
+                      exponent: bool = True) -> Optional[float]:
+    """``float(number) * units[unit]`` for ``'<number><unit>'``, or None."""
+    number = _DIGITS + (_EXPONENT if exponent else '')
+    m = re.fullmatch(r'\s*(' + number + r')\s*([a-z]*)\s*', text.lower())
+    if m is None or m.group(2) not in units:
+        return None
+    return float(m.group(1)) * units[m.group(2)]
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _quantity(value, units, what, plain, example, unit_names, more=''):
+    """A number, or the number of a string with one of ``units``."""
+    number = value
+    if isinstance(value, str):
+        number = _number_with_unit(value, units)
+        if number is None:
+            raise ValueError(
+                '{} {!r} is not understood; give {} or a number with {}, '
+                'e.g. {}{}'.format(what, value, plain, unit_names, example,
+                                   more))
+    if not _is_number(number):
+        raise ValueError('{} must be {} or a string such as {}, got {!r}'
+                         .format(what, plain, example, value))
+    return number
+
+
+# ----------------------------------------------------------------------------
+# Parsers
+
+def parse_size(value: Union[Number, str]) -> int:
+    """Parses a size: bytes as a number, or a string like ``'25MB'``.
+
+    Units ``B``, ``KB``, ``MB``, ``GB`` (powers of 10) and ``KiB``, ``MiB``,
+    ``GiB`` (powers of 2), in any case.
+
+    Returns:
+        int: the size in bytes, at least 1.
+    """
+    if isinstance(value, str):
+        parsed = _number_with_unit(value, _SIZE_UNITS, exponent=False)
+        if parsed is None:
+            raise ValueError(
+                'size {!r} is not understood; give a number of bytes '
+                'or a string such as "25MB" or "4MiB"'.format(value))
+        value = parsed
+    if not _is_number(value):
+        raise ValueError('a size must be a number of bytes or a string '
+                         'such as "25MB", got {!r}'.format(value))
+    if not value >= 1:
+        raise ValueError('a size must be at least 1 byte, got {!r}'
+                         .format(value))
+    return int(value)
+
+
+def parse_seconds(value: Union[None, Number, str],
+                  what: str) -> Optional[float]:
+    """A time limit in seconds, or ``None`` for "never".
+
+    ``None``, ``0``, a negative number, ``inf`` and strings such as
+    ``'none'`` or ``'off'`` disable.
+
+    Args:
+        value: the setting (a number, a numeric string or a word).
+        what (str): its name, for the error message.
+    """
+    if value is None:
+        return None
+    if isinstance(value, str):
+        text = value.strip().lower()
+        if text in _DISABLED:
+            return None
+        try:
+            number = float(text)
+        except ValueError:
+            number = None
+    else:
+        number = value
+    if not _is_number(number):
+        raise ValueError('{} must be a number of seconds (0 or "none" '
+                         'disables), got {!r}'.format(what, value))
+    value = float(number)
+    if math.isnan(value):
+        raise ValueError('{} must not be NaN; give a number of seconds, or '
+                         '0 to disable'.format(what))
+    if value <= 0 or value == float('inf'):
+        return None
+    return value
+
+
+def parse_duration(value: Union[Number, str], what: str = 'latency') -> float:
+    """A non-negative duration: seconds, or a string such as ``'25us'``.
+
+    Units ``s``, ``ms`` and ``us``; a number without a unit is seconds.
+    """
+    seconds = _quantity(value, _TIME_UNITS, what, 'seconds', '"25us"',
+                        's, ms or us')
+    if not 0 <= seconds < float('inf'):
+        raise ValueError('{} must be a finite number of seconds, at least '
+                         '0, got {!r}'.format(what, value))
+    return float(seconds)
+
+
+def parse_delay(text: Union[None, str]) -> Optional[float]:
+    """A one-way link delay such as ``'0.5ms'`` or ``'100us'``, in seconds.
+
+    The unit (``s``, ``ms`` or ``us``) is required, so that a bare number
+    is not taken for milliseconds by one reader and seconds by another.
+    ``None`` means no delay.
+    """
+    if text is None:
+        return None
+    units = {k: v for k, v in _TIME_UNITS.items() if k}
+    value = _number_with_unit(str(text), units)
+    if value is None:
+        raise ValueError('delay {!r} is not understood; give a number with '
+                         'its unit, e.g. "0.5ms" or "100us"'.format(text))
+    return value
+
+
+def parse_rate(value: Union[Number, str], what: str = 'link rate') -> float:
+    """A positive link rate in bit/s: a number, or e.g. ``'400mbit'``.
+
+    Units ``bit``, ``kbit``, ``mbit`` and ``gbit`` (decimal, as ``tc``).
+    """
+    rate = _quantity(value, _RATE_UNITS, what, 'bit/s', '"400mbit"',
+                     'kbit, mbit or gbit', ' or "10gbit"')
+    if not 0 < rate < float('inf'):
+        raise ValueError('{} must be positive and finite, got {!r}'
+                         .format(what, value))
+    return float(rate)
+
+
+def parse_flag(value: Optional[str]) -> bool:
+    """A flag's setting: off for None, empty, 0, false, no and off."""
+    return (value or '').strip().lower() not in _FALSE
+
+
+def parse_emulation_settings(text: str) -> Dict[str, Any]:
+    """Parses ``"nodes=16,bandwidth=10gbit,latency=25us"`` into a dict.
+
+    Keys may be left out; the dict has only those given.
+    """
+    out: Dict[str, Any] = {}
+    for item in filter(None, (s.strip() for s in text.split(','))):
+        key, sep, value = item.partition('=')
+        key = key.strip()
+        if not sep or key not in EMULATION_DEFAULTS:
+            raise ValueError(
+                '{}: cannot read {!r}; expected comma-separated key=value '
+                'with keys {}'.format(EMULATION_ENV, item,
+                                      ', '.join(EMULATION_DEFAULTS)))
+        if key == 'nodes':
+            try:
+                out[key] = int(value)
+            except ValueError:
+                raise ValueError('{}: nodes must be a whole number, got {!r}'
+                                 .format(EMULATION_ENV, value)) from None
+        elif key == 'bandwidth':
+            out[key] = parse_rate(value, 'bandwidth')
+        else:
+            out[key] = parse_duration(value, 'latency')
+    return out
+
+
+# ----------------------------------------------------------------------------
+# Resolvers: an option, else the environment, else the default.
+
+def resolve_timeout(option: Union[None, Number, str] = None
+                    ) -> Optional[float]:
+    """The watchdog timeout: the option, else the environment, else 600 s."""
+    if option is None:
+        env = os.environ.get(TIMEOUT_ENV)
+        if env is None:
+            return DEFAULT_TIMEOUT
+        return parse_seconds(env, TIMEOUT_ENV)
+    return parse_seconds(option, 'timeout')
+
+
+def resolve_stall_warning(option: Union[None, Number, str] = None
+                          ) -> Optional[float]:
+    """The stall threshold: the option, else the environment, else off."""
+    if option is None:
+        return parse_seconds(os.environ.get(STALL_WARNING_ENV),
+                             STALL_WARNING_ENV)
+    return parse_seconds(option, 'stall_warning')
+
+
+def resolve_debug(option: Optional[bool] = None) -> bool:
+    """Whether every collective is checked: the option, else the env."""
+    if option is None:
+        return parse_flag(os.environ.get(DEBUG_ENV))
+    return bool(option)
+
+
+def resolve_emulation(nodes: Optional[int] = None,
+                      bandwidth: Union[None, Number, str] = None,
+                      latency: Union[None, Number, str] = None
+                      ) -> Dict[str, Any]:
+    """The emulated link: arguments, else the environment, else defaults.
+
+    Returns:
+        dict: ``nodes``, ``bandwidth`` and ``latency`` (the arguments as
+        given; parse them with :func:`parse_rate` and
+        :func:`parse_duration`).
+    """
+    settings = dict(EMULATION_DEFAULTS)
+    settings.update(parse_emulation_settings(
+        os.environ.get(EMULATION_ENV, '')))
+    for key, value in (('nodes', nodes), ('bandwidth', bandwidth),
+                       ('latency', latency)):
+        if value is not None:
+            settings[key] = value
+    return settings
+
+
+def resolve_abort_on_exception() -> bool:
+    """Whether importing the library installs the abort hook (the env)."""
+    return parse_flag(os.environ.get(ABORT_ON_EXCEPTION_ENV))
