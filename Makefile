@@ -67,9 +67,16 @@ clean:
 # processes, memory per process, exposed halo time with overlap on/off;
 # benchmarks/results/spatial.json and spatial.png (matplotlib installed into
 # the venv if missing).  SPATIAL_ARGS passes options, e.g. '--rounds 3'.
+# Then a late-stage block spatial vs filter/channel parallel, and a 3x3 conv
+# stack layer by layer vs tiled over a link with 1-5 ms latency (as root:
+# the network test bed with netem; else latency emulated in-process):
+# benchmarks/results/channel_tiling.json.  CHANNEL_TILING_ARGS passes
+# options, e.g. '--quick'.
 SPATIAL_ARGS ?=
+CHANNEL_TILING_ARGS ?=
 .PHONY: bench-spatial
 bench-spatial: venv
 	@$(PY) -c 'import matplotlib' 2>/dev/null || \
 	    $(PY) -m pip install -q matplotlib
 	$(PY) -m benchmarks.spatial_bench $(SPATIAL_ARGS)
+	$(PY) -m benchmarks.channel_tiling_bench $(CHANNEL_TILING_ARGS)

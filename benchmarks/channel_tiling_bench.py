@@ -1,0 +1,515 @@
+"""Filter/channel parallelism for late stages, and overlapped tiling on a
+link with latency (distconv).
+
+Run (what ``make bench-spatial`` does after the spatial benchmark; the
+tiling part needs root for the network test bed)::
+
+    .venv/bin/python -m benchmarks.channel_tiling_bench
+    .venv/bin/python -m benchmarks.channel_tiling_bench --quick   # smoke
+
+(a) Late stage (``late``): one ResNet-50 res4 bottleneck (1x1 1024->256,
+    3x3 256->256, 1x1 256->1024, batch norm, ReLU, identity shortcut) on a
+    14x14 map, batch 1, at 1 process (Chainer through a 1x1 grid) and at 2
+    processes split spatially (grid (2, 1): halos on a 7-row block) or
+    filter/channel parallel (grid (1, 1) with channels=2, the layout of
+    ``examples/spatial/train_resnet50_channels.py``). Per setting: the
+    median forward+backward step time over rounds (settings alternate
+    round by round), parameter bytes per process, bytes numpy holds after
+    forward (activations kept for backward) and the peak during a step
+    (tracemalloc).
+
+(b) Tiling (``tiling``): a stack of 3x3 convolutions (ReLU between) over a
+    grid (2, 1), the 2 ranks in separate network namespaces behind a veth
+    link with a ``netem`` delay (``--delays``, default 1, 3 and 5 ms one
+    way; ``benchmarks/netbed.py``), per-process blocks small enough that a
+    layer's interior computation is shorter than the delay (measured and
+    recorded as ``layer_compute_s``). Settings, alternated round by round:
+    layer by layer (distconv layers, overlapped exchange) and ``Tiled`` at
+    depth 1, 2, 4 and all. Per setting: step time, exposed exchange time
+    per step (seconds blocked in halo waits, forward + backward), exchange
+    rounds per step, and the redundant computation tiling costs (cells
+    computed over cells owned, summed over layers, and the extra compute
+    time that implies at the measured per-layer cost). Then the tuner
+    (``distconv.tune`` over ``tuner.depth_candidates``) chooses a depth on
+    the same link; its choice and table are recorded. Without root, with
+    ``--no-netbed`` or on a kernel without ``netem`` (this one), the
+    tiling part runs over shared memory with the latency added in the
+    processes' distconv message layer instead (each exchange completes
+    ``delay`` after it is posted; computation in between hides it, as on a
+    link), and is labelled so.
+
+Results: ``benchmarks/results/channel_tiling.json``. The machine this was
+written on has 2 shared cores: take figures on a quiet machine.
+"""
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+
+if not __package__:
+    sys.path.insert(0, os.path.abspath(os.path.join(__file__, '..', '..')))
+
+from benchmarks import launch  # noqa: E402
+
+RESULT_TAG = 'RESULT '
+MODULE = 'benchmarks.channel_tiling_bench'
+
+
+# ---------------------------------------------------------------------------
+# (a) late stage: spatial vs filter/channel
+# ---------------------------------------------------------------------------
+def _late_models(comm, cfg):
+    """{setting: (grid, model, input block)} for this process count."""
+    import numpy as np
+    from chainermn_overlap import distconv
+    from examples.spatial import train_resnet50_channels as rc
+    c, mid, n = cfg['channels'], cfg['channels'] // 4, cfg['insize']
+    shape = (cfg['batchsize'], c, n, n)
+    x = np.random.RandomState(1).randn(*shape).astype(np.float32)
+    out = {}
+    if comm.size == 1:
+        g = distconv.SpatialGrid(comm, (1, 1))
+        np.random.seed(0)
+        out['chainer'] = (g, rc.Bottleneck(rc.SpatialLayers(g), c, mid, c),
+                          x)
+        return out
+    gs = distconv.SpatialGrid(comm, (comm.size, 1))
+    np.random.seed(0)
+    out['spatial'] = (gs, rc.Bottleneck(rc.SpatialLayers(gs), c, mid, c),
+                      gs.scatter(x))
+    gc = distconv.SpatialGrid(comm, (1, 1), channels=comm.size)
+    np.random.seed(0)
+    out['filter_channel'] = (
+        gc, rc.Bottleneck(rc.ChannelLayers(gc), c, mid, c, channel=True), x)
+    return out
+
+
+def _loss(model, x):
+    import chainer.functions as F
+    return F.sum(model(x))
+
+
+def _memory(model, x):
+    """(peak bytes during a step, bytes held after forward) by numpy."""
+    import tracemalloc
+    tracemalloc.start()
+    tracemalloc.reset_peak()
+    base = tracemalloc.get_traced_memory()[0]
+    loss = _loss(model, x)
+    held = tracemalloc.get_traced_memory()[0] - base
+    model.cleargrads()
+    loss.backward()
+    peak = tracemalloc.get_traced_memory()[1] - base
+    del loss
+    tracemalloc.stop()
+    return peak, held
+
+
+def late_worker(cfg):
+    import chainermn
+    import numpy as np
+    comm = chainermn.create_communicator('naive')
+    models = _late_models(comm, cfg)
+    names = sorted(models)
+    times = {k: [] for k in names}
+    for name in names:  # warm-up: plans, validation, connections
+        g, model, x = models[name]
+        model.cleargrads()
+        _loss(model, x).backward()
+    for r in range(cfg['rounds']):
+        # Rotate the order each round: drift on a shared machine hits all.
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            g, model, x = models[name]
+            comm.mpi_comm.Barrier()
+            t0 = time.perf_counter()
+            loss = _loss(model, x)
+            model.cleargrads()
+            loss.backward()
+            comm.mpi_comm.Barrier()
+            times[name].append(time.perf_counter() - t0)
+    out = {'processes': comm.size, 'settings': {}}
+    for name in names:
+        g, model, x = models[name]
+        peak, held = _memory(model, x)
+        wbytes = sum(p.array.nbytes for p in model.params())
+        per_rank = comm.mpi_comm.allgather([peak, held, wbytes])
+        out['settings'][name] = {
+            'grid': list(g.shape), 'channel_axis': g.channels,
+            'median_step_s': float(np.median(times[name])),
+            'step_s': times[name],
+            'param_bytes_per_process': [v[2] for v in per_rank],
+            'peak_bytes_per_process': [v[0] for v in per_rank],
+            'held_after_forward_bytes_per_process': [v[1] for v in per_rank],
+        }
+    if comm.rank == 0:
+        launch.emit_result(RESULT_TAG, out)
+
+
+# ---------------------------------------------------------------------------
+# (b) tiling over a link with latency
+# ---------------------------------------------------------------------------
+def _stack(grid, cfg, depth):
+    """(callable model, list of convs) of the 3x3 conv stack."""
+    import chainer.functions as F
+    import numpy as np
+    from chainermn_overlap import distconv
+    rng = np.random.RandomState(5)
+    c = cfg['channels']
+    convs = [distconv.Convolution2D(
+        grid, c, c, 3, 1, 1, initialW=(rng.randn(c, c, 3, 3) * 0.2)
+        .astype(np.float32)) for _ in range(cfg['layers'])]
+    if depth == 'layer':
+        def run(x):
+            h = x
+            for conv in convs:
+                h = F.relu(conv(h))
+            return h
+        return run, convs
+    layers = []
+    for conv in convs:
+        layers += [conv, F.relu]
+    tiled = distconv.Tiled(grid, layers, depth=depth)
+    return tiled, convs
+
+
+def _redundancy(grid, cfg, depth):
+    """Cells computed over cells owned, over the whole stack."""
+    import numpy as np
+    from chainermn_overlap.distconv import geometry
+    from chainermn_overlap.distconv import tiling
+    w = tiling.Window((3, 3), (1, 1), (1, 1))
+    shape = (cfg['insize'], cfg['insize'])
+    n = cfg['layers']
+    d = n if depth in (None, 'all') else (1 if depth == 'layer' else depth)
+    computed = owned = 0
+    for start in range(0, n, d):
+        k = min(d, n - start)
+        for r in range(grid.spatial_size):
+            for lv in tiling.tile_boxes(shape, (w,) * k, grid.shape, r)[1:]:
+                computed += int(np.prod(geometry.box_shape(lv['computed'])))
+                owned += int(np.prod(geometry.box_shape(lv['owned'])))
+    return computed / float(owned)
+
+
+class _LatePending(object):
+    """A distconv exchange whose messages complete ``delay`` after posting.
+
+    Emulates a link's one-way latency inside the process when the kernel
+    has no ``netem`` (see ``--emulate-delay``): tests report the messages
+    as in flight until then, and a wait sleeps out the rest, so computation
+    between posting and waiting hides latency as it would on a real link.
+    """
+
+    def __init__(self, inner, delay):
+        self.inner = inner
+        self.ready = time.perf_counter() + delay
+        self.has_messages = inner.has_messages
+        self.n_recv = inner.n_recv
+
+    def _sleep(self):
+        left = self.ready - time.perf_counter()
+        if left > 0:
+            time.sleep(left)
+
+    def test(self):
+        done = self.inner.test()
+        return done and time.perf_counter() >= self.ready
+
+    @property
+    def completed(self):
+        return self.inner.completed and time.perf_counter() >= self.ready
+
+    def arrivals(self):
+        self._sleep()
+        return self.inner.arrivals()
+
+    def wait(self):
+        self._sleep()
+        return self.inner.wait()
+
+
+def _emulate_latency(delay):
+    """Patches distconv's message layer to add ``delay`` s per exchange."""
+    from chainermn_overlap.distconv import _comm
+    post = _comm.post_exchange
+
+    def late_post(*a, **k):
+        pending = post(*a, **k)
+        return _LatePending(pending, delay) if pending.has_messages \
+            else pending
+    _comm.post_exchange = late_post
+
+
+def tiling_worker(cfg):
+    if cfg.get('emulated_delay_s'):
+        _emulate_latency(cfg['emulated_delay_s'])
+    import chainer
+    import chainer.functions as F
+    import chainermn
+    import numpy as np
+    from chainermn_overlap import distconv
+    from chainermn_overlap.distconv import tuner
+    comm = chainermn.create_communicator('naive')
+    grid = distconv.SpatialGrid(comm, (comm.size, 1))
+    shape = (cfg['batchsize'], cfg['channels'], cfg['insize'],
+             cfg['insize'])
+    x = grid.scatter(np.random.RandomState(2).randn(*shape)
+                     .astype(np.float32))
+    settings = ['layer', 1, 2, 4, None]
+    models = {str(d): _stack(grid, cfg, d)[0] for d in settings}
+    names = [str(d) for d in settings]
+
+    def step(model):
+        y = model(x)
+        loss = F.sum(y)
+        if hasattr(model, 'cleargrads'):
+            model.cleargrads()
+        loss.backward()
+
+    for name in names:
+        step(models[name])
+    rec = {k: {'step_s': [], 'exposed_s': [], 'rounds': []} for k in names}
+    for r in range(cfg['rounds']):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            comm.mpi_comm.Barrier()
+            before = dict(grid.stats)
+            t0 = time.perf_counter()
+            step(models[name])
+            t = time.perf_counter() - t0
+            st = grid.stats
+            exposed = sum(st[k] - before.get(k, 0)
+                          for k in ('forward_wait_s', 'backward_wait_s'))
+            rounds = sum(st[k] - before.get(k, 0)
+                         for k in ('exchange_tiled', 'exchange_overlapped',
+                                   'exchange_blocking'))
+            rec[name]['step_s'].append(t)
+            rec[name]['exposed_s'].append(
+                float(np.mean(comm.mpi_comm.allgather(exposed))))
+            rec[name]['rounds'].append(rounds)
+    # One layer's computation on this block, without any message.
+    conv = chainer.links.Convolution2D(cfg['channels'], cfg['channels'], 3,
+                                       1, 1)
+    ts = []
+    for _ in range(max(3, cfg['rounds'])):
+        t0 = time.perf_counter()
+        y = conv(x)
+        y.grad = np.ones_like(y.array)
+        y.backward()
+        ts.append(time.perf_counter() - t0)
+    layer_s = float(np.median(ts))
+    out = {'processes': comm.size, 'grid': list(grid.shape),
+           'global_image': list(shape[2:]),
+           'block_per_process': list(x.shape[2:]),
+           'layer_compute_s': layer_s, 'settings': {}}
+    for name in names:
+        depth = None if name == 'None' else (
+            'layer' if name == 'layer' else int(name))
+        red = _redundancy(grid, cfg, depth)
+        out['settings']['all' if name == 'None' else name] = {
+            'median_step_s': float(np.median(rec[name]['step_s'])),
+            'median_exposed_exchange_s': float(np.median(
+                rec[name]['exposed_s'])),
+            'exchange_rounds_per_step': rec[name]['rounds'][-1],
+            'computed_over_owned_cells': red,
+            'redundant_compute_s_estimate': (red - 1) * layer_s
+            * cfg['layers'],
+            'step_s': rec[name]['step_s']}
+
+    def build(g, cand):
+        return _TunerModel(_stack(g, cfg, cand['depth'])[0])
+
+    result = distconv.tune(comm, build, shape,
+                           tuner.depth_candidates((comm.size, 1),
+                                                  [1, 2, 4, None]),
+                           iterations=max(1, cfg['rounds'] // 2),
+                           loss_fn=lambda m, xx: F.sum(m(xx)))
+    out['tuner'] = {'best': result['best'],
+                    'table': [{'candidate': r['candidate'],
+                               'median_s': r['median_s'],
+                               'status': r['status']}
+                              for r in result['table']]}
+    if comm.rank == 0:
+        launch.emit_result(RESULT_TAG, out)
+
+
+class _TunerModel(object):
+    def __init__(self, model):
+        self.model = model
+
+    def __call__(self, x):
+        return self.model(x)
+
+    def cleargrads(self):
+        if hasattr(self.model, 'cleargrads'):
+            self.model.cleargrads()
+
+
+# ---------------------------------------------------------------------------
+# Orchestration
+# ---------------------------------------------------------------------------
+def _mpiexec(n, cmd, timeout):
+    mpiexec = os.path.join(os.path.dirname(sys.executable), 'mpiexec')
+    res = subprocess.run([mpiexec, '-n', str(n)] + cmd,
+                         env=dict(os.environ, **launch.worker_env()),
+                         capture_output=True, text=True, cwd=launch.ROOT,
+                         timeout=timeout)
+    return {'returncode': res.returncode, 'stdout': res.stdout,
+            'stderr': res.stderr}
+
+
+def _result(res, what):
+    run = launch.find_result(res['stdout'], RESULT_TAG)
+    if res['returncode'] or run is None:
+        sys.stderr.write((res['stdout'] or '')[-3000:]
+                         + (res['stderr'] or '')[-3000:])
+        raise SystemExit('channel_tiling_bench: %s failed (exit %s)'
+                         % (what, res['returncode']))
+    return run
+
+
+def _netbed_usable(args):
+    if args.no_netbed or (args.quick and not args.netbed):
+        return 'not requested (--no-netbed, or --quick without --netbed)'
+    if os.geteuid() != 0:
+        return 'needs root (network namespaces)'
+    from shutil import which
+    if not (which('ip') and which('tc')):
+        return 'needs iproute2 (ip, tc)'
+    return None
+
+
+def run_late(args):
+    cfg = {'insize': args.late_insize, 'channels': args.late_channels,
+           'batchsize': 1, 'rounds': args.rounds}
+    runs = []
+    for n in (1, 2):
+        cmd = launch.worker_command(MODULE, dict(cfg, part='late'))
+        runs.append(_result(_mpiexec(n, cmd, args.timeout),
+                            'late stage at -n %d' % n))
+        sys.stdout.write(json.dumps(runs[-1]['settings']) + '\n')
+    return {'config': cfg, 'runs': runs}
+
+
+def run_tiling(args):
+    cfg = {'insize': args.tile_insize, 'channels': args.tile_channels,
+           'layers': args.tile_layers, 'batchsize': 1,
+           'rounds': args.rounds}
+    cmd = launch.worker_command(MODULE, dict(cfg, part='tiling'))
+    why_not = _netbed_usable(args)
+    runs = []
+    delays = [d.strip() for d in args.delays.split(',') if d.strip()]
+    if why_not is None:
+        from benchmarks import netbed
+        for delay in delays:
+            try:
+                with netbed.NetBed(2, args.rate, delay=delay) as bed:
+                    desc = bed.describe()
+                    res = bed.run_mpi(cmd, timeout=args.timeout,
+                                      env=launch.worker_env())
+            except netbed.NetBedError as e:
+                if 'netem' not in str(e):
+                    raise
+                why_not = str(e)
+                break
+            run = _result(res, 'tiling over the test bed at %s' % delay)
+            run.update(link={'rate': args.rate, 'delay': delay,
+                             'delay_s': desc['delay_s'],
+                             'tc_commands': desc['tc_commands']},
+                       label='2 ranks in network namespaces, veth with '
+                             'netem delay %s, MPICH over TCP' % delay)
+            runs.append(run)
+            _report(delay, run)
+    if why_not is not None:
+        # No netem (or no root): the latency is added in the processes'
+        # distconv message layer instead (_LatePending), over shared memory.
+        from chainermn_overlap.config import parse_delay
+        for delay in (delays if not args.quick or args.netbed
+                      else delays[:1]):
+            c = dict(cfg, part='tiling', emulated_delay_s=parse_delay(delay))
+            run = _result(_mpiexec(2, launch.worker_command(MODULE, c),
+                                   args.timeout),
+                          'tiling with emulated latency %s' % delay)
+            run.update(link={'delay': delay, 'emulated': True},
+                       label='shared memory, one-way latency %s emulated '
+                             'in the distconv message layer (%s)'
+                             % (delay, why_not))
+            runs.append(run)
+            _report(delay, run)
+    return {'config': cfg, 'runs': runs, 'netbed': why_not is None,
+            'netbed_skipped_because': why_not}
+
+
+def _report(delay, run):
+    sys.stdout.write(json.dumps({delay: {
+        k: [round(v['median_step_s'], 4),
+            round(v['median_exposed_exchange_s'], 4)]
+        for k, v in run['settings'].items()}, 'tuner': run['tuner']['best']})
+        + '\n')
+
+
+def worker(cfg):
+    if cfg['part'] == 'late':
+        return late_worker(cfg)
+    return tiling_worker(cfg)
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    if launch.dispatch_worker(argv, worker):
+        return None
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument('--part', default='all', choices=['all', 'late',
+                                                     'tiling'])
+    p.add_argument('--quick', action='store_true',
+                   help='tiny sizes, one round, no test bed: checks that '
+                   'the benchmark runs (figures meaningless)')
+    p.add_argument('--rounds', type=int, default=7)
+    p.add_argument('--late-insize', type=int, default=14)
+    p.add_argument('--late-channels', type=int, default=1024)
+    p.add_argument('--tile-insize', type=int, default=32,
+                   help='global image side of the tiling stack (a 16x32 '
+                   'block per process at 2 processes)')
+    p.add_argument('--tile-channels', type=int, default=8)
+    p.add_argument('--tile-layers', type=int, default=8)
+    p.add_argument('--delays', default='1ms,3ms,5ms',
+                   help='one-way netem delays of the tiling part')
+    p.add_argument('--rate', default='1gbit')
+    p.add_argument('--no-netbed', action='store_true',
+                   help='tiling part over shared memory (no delay)')
+    p.add_argument('--netbed', action='store_true',
+                   help='with --quick: still run the tiling part over the '
+                   'test bed (checks that path)')
+    p.add_argument('--timeout', type=float, default=1800)
+    p.add_argument('--out', default=os.path.join(launch.RESULTS,
+                                                 'channel_tiling.json'))
+    args = p.parse_args(argv)
+    if args.quick:
+        args.rounds = 1
+        args.late_insize, args.late_channels = 6, 32
+        args.tile_insize, args.tile_channels, args.tile_layers = 12, 2, 4
+        if args.out == p.get_default('out'):
+            args.out = os.path.join(launch.RESULTS,
+                                    'channel_tiling_quick.json')
+    result = {'benchmark': 'distconv: late-stage block spatial vs '
+                           'filter/channel parallel; 3x3 conv stack layer '
+                           'by layer vs tiled over a link with latency',
+              'quick': args.quick,
+              'machine': {'platform': platform.platform(),
+                          'cpu_count': os.cpu_count()}}
+    if args.part in ('all', 'late'):
+        result['late'] = run_late(args)
+    if args.part in ('all', 'tiling'):
+        result['tiling'] = run_tiling(args)
+    result['machine']['loadavg_at_end'] = os.getloadavg()
+    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    with open(args.out, 'w') as f:
+        json.dump(result, f, indent=1)
+    sys.stdout.write('wrote %s\n' % args.out)
+    return result
+
+
+if __name__ == '__main__':
+    main()
