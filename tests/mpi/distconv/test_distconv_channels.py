@@ -367,3 +367,40 @@ def test_grid_channel_axis_layout():
     if c.size > 1:
         collective_raises(lambda: distconv.SpatialGrid(
             c, (1, 1), channels=c.size + 1), 'channels=')
+
+
+@pytest.mark.parametrize('gc', [((1, 1, 1), 2), ((2, 1, 1), 2),
+                                ((1, 1, 1), 3)], ids=_ids)
+def test_convolution_nd_filter_then_channel_3d(gc):
+    g = cgrid(*gc)
+    rng = np.random.RandomState(14)
+    x = rng.randn(2, 3, 5, 4, 5).astype(np.float32)
+    w1 = rng.randn(5, 3, 3, 3, 3).astype(np.float32)
+    w2 = rng.randn(2, 5, 1, 3, 3).astype(np.float32)
+    s1 = L.ConvolutionND(3, 3, 5, 3, 1, 1, initialW=w1, initial_bias=0.2)
+    s2 = L.ConvolutionND(3, 5, 2, (1, 3, 3), 2, (0, 1, 1), initialW=w2,
+                         initial_bias=0.1)
+    d1 = distconv.ConvolutionND(g, 3, 3, 5, 3, 1, 1, initialW=w1,
+                                initial_bias=0.2, split='filter')
+    d2 = distconv.ConvolutionND(g, 3, 5, 2, (1, 3, 3), 2, (0, 1, 1),
+                                initialW=w2, initial_bias=0.1,
+                                split='channel')
+    for link in (s1, s2, d1, d2):
+        link.cleargrads()
+    xs = chainer.Variable(x.copy())
+    ys = s2(F.relu(s1(xs)))
+    gy = rng.randn(*ys.shape).astype(np.float32)
+    ys.grad = gy.copy()
+    ys.backward()
+    xd = chainer.Variable(g.scatter(x))
+    yd = d2(F.relu(d1(xd)))
+    yd.grad = upstream(g, gy, False)
+    yd.backward()
+    chk = Checker()
+    chk.close('forward', g.gather(yd), ys.array)
+    chk.close('input grad', g.gather(xd.grad, reduce_copies=True), xs.grad)
+    chk.close('W1 grad', sum_over_ranks(embed(g, w1.shape, d1.W.grad, 0, 5)),
+              s1.W.grad)
+    chk.close('W2 grad', sum_over_ranks(embed(g, w2.shape, d2.W.grad, 1, 5)),
+              s2.W.grad)
+    chk.done()
