@@ -144,6 +144,35 @@ def summarize(per_rank):
     return out
 
 
+def measure(rate, steps=40, rounds=4):
+    """Runs the measurement on a 2-rank bed at ``rate``.
+
+    Returns:
+        tuple: ``(summary, bed record, per-rank rows, config)``.
+    """
+    cfg = {'steps': steps, 'rounds': rounds, 'message_bytes': 4 * 2 ** 20}
+    with netbed.NetBed(2, rate) as bed:
+        record = bed.describe()
+        res = bed.run_mpi(
+            launch.worker_command('benchmarks.comm_cost', cfg), timeout=900,
+            env=launch.worker_env())
+    if res['returncode'] != 0:
+        raise RuntimeError('the job failed (exit {}):\n{}\n{}'.format(
+            res['returncode'], res['stdout'][-3000:], res['stderr'][-3000:]))
+    per_rank = launch.read_result(res['stdout'], RESULT_TAG, 'comm_cost')
+    return summarize(per_rank), record, per_rank, cfg
+
+
+def cost_per_byte(summary):
+    """Compute seconds lost per byte of allreduce payload moved.
+
+    The compute loop slowed by ``slowdown`` while the link moved ``R``
+    bytes/s: ``slowdown * T`` seconds lost for ``R * T`` bytes.
+    """
+    d = summary['reducing']
+    return d['slowdown'] / (d['allreduce_MB_per_s_median'] * 1e6)
+
+
 def main(argv=None):
     if launch.dispatch_worker(argv, worker):
         return 0
@@ -157,18 +186,8 @@ def main(argv=None):
     args = p.parse_args(argv)
     netbed.require_root()
     machine = machine_description()
-    cfg = {'steps': args.steps, 'rounds': args.rounds,
-           'message_bytes': 4 * 2 ** 20}
-    with netbed.NetBed(2, args.rate) as bed:
-        record = bed.describe()
-        res = bed.run_mpi(
-            launch.worker_command('benchmarks.comm_cost', cfg), timeout=900,
-            env=launch.worker_env())
-    if res['returncode'] != 0:
-        raise SystemExit('the job failed (exit {}):\n{}\n{}'.format(
-            res['returncode'], res['stdout'][-3000:], res['stderr'][-3000:]))
-    per_rank = launch.read_result(res['stdout'], RESULT_TAG, 'comm_cost')
-    summary = summarize(per_rank)
+    summary, record, per_rank, cfg = measure(args.rate, args.steps,
+                                             args.rounds)
     result = {
         'benchmark': 'compute slowdown while the link carries allreduces',
         'config': cfg, 'bed': record, 'summary': summary,

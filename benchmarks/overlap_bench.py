@@ -70,6 +70,25 @@ TARGET_TOLERANCE = 0.025
 RESULT_TAG = 'OVERLAP_BENCH_RESULT '
 
 
+def _powersgd(rank):
+    def options():
+        import chainermn_overlap
+        # Warm-up covers the warm-up iterations of the benchmark only: the
+        # timed iterations are compressed.
+        return {'compression': chainermn_overlap.PowerSGD(
+            rank=rank, warmup_iterations=1)}
+    return options
+
+
+# Ours (wait='forward') with fewer bytes on the wire (benchmarks.compression).
+WIRE_OPTIONS = {
+    'overlap_forward_float16': lambda: {'allreduce_grad_dtype': 'float16'},
+    'overlap_forward_powersgd1': _powersgd(1),
+    'overlap_forward_powersgd2': _powersgd(2),
+    'overlap_forward_powersgd4': _powersgd(4),
+}
+
+
 # ----------------------------------------------------------------------------
 # Worker: runs inside every rank (or alone for the emulation).
 
@@ -96,12 +115,12 @@ def _make_optimizer(mode, comm, cfg):
     if mode == 'double_buffering':
         return chainermn_overlap.create_double_buffering_optimizer(
             actual, comm, **backend)
-    wait = mode.split('_')[1]
-    options = dict(backend, wait=wait)
+    options = dict(backend, wait=mode.split('_')[1])
+    options.update(WIRE_OPTIONS.get(mode, lambda: {})())
     if cfg.get('bucket_size'):
         options['bucket_size'] = cfg['bucket_size']
     trace = cfg.get('trace')
-    if trace and wait == 'forward' and _trace_supported():
+    if trace and mode == 'overlap_forward' and _trace_supported():
         options['timeline'] = trace
     return chainermn_overlap.create_overlapped_optimizer(actual, comm,
                                                          **options)
@@ -147,7 +166,8 @@ def _merge_stats(a, b):
     if a is None:
         return b
     out = dict(a)
-    for k in ('buckets', 'bytes', 'comm_seconds', 'wait_seconds'):
+    for k in ('buckets', 'bytes', 'comm_seconds', 'wait_seconds',
+              'compression_seconds'):
         if k in b:
             out[k] = a.get(k, 0) + b[k]
     c = out.get('comm_seconds') or 0
@@ -380,10 +400,10 @@ def run_bucket_sweep(rate, cfg, t_compute, sizes, log):
     One job per size, each with its own ``alone`` (the denominator under
     the same conditions); the library default is in the calibrated run.
     """
-    from chainermn_overlap.optimizers import overlapped
+    from chainermn_overlap import config
     rows = []
     for size in sizes:
-        nbytes = overlapped.parse_size(size.strip())
+        nbytes = config.parse_size(size.strip())
         c = dict(cfg, modes=['alone', 'overlap_update', 'overlap_forward'],
                  bucket_size=nbytes, trace=None)
         run = run_bed(rate, c, t_compute, log)

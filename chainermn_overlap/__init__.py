@@ -5,11 +5,13 @@
 layer, overlapped with backward and the next forward.
 ``create_double_buffering_optimizer`` overlaps a whole iteration at the price
 of one-step-stale gradients (ChainerMN's double buffering, on CPU/MPI).
+``PowerSGD`` compresses gradients (low rank, with error feedback).
 ``distconv`` (a subpackage, imported on demand) partitions activations
 spatially.
 """
 from chainermn_overlap.abort import disable_abort_on_exception  # NOQA
 from chainermn_overlap.abort import enable_abort_on_exception  # NOQA
+from chainermn_overlap.compression import PowerSGD  # NOQA
 from chainermn_overlap.errors import CollectiveMismatchError  # NOQA
 from chainermn_overlap.errors import CommunicationError  # NOQA
 from chainermn_overlap.errors import CommunicationTimeout  # NOQA
@@ -27,6 +29,7 @@ __all__ = [
     'CommunicationTimeout',
     'DEFAULT_BUCKET_SIZE',
     'FallbackWarning',
+    'PowerSGD',
     'StallWarning',
     'create_double_buffering_optimizer',
     'create_overlapped_optimizer',

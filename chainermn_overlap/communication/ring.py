@@ -1,12 +1,13 @@
 """A mean allreduce for low-precision wire formats, with float32 arithmetic.
 
 MPICH sums float16 element by element in software (about 14x slower per
-byte than float32 here) and each rank's partial sums are rounded to float16.
-This allreduce moves the low-precision bytes itself -- a ring reduce-scatter
-then a ring allgather, point to point -- and does every addition with numpy
-in float32 (``numpy.add`` with ``dtype=float32``: vectorised, no Python per
-element).  The scale by ``1 / size`` is folded into the last addition of
-each chunk, which its owner then rounds once; the allgather hands every rank
+byte than float32 here).  This allreduce moves the low-precision bytes
+itself -- a ring reduce-scatter then a ring allgather, point to point -- and
+does every addition with numpy in float32 (``numpy.add`` with
+``dtype=float32``: vectorised, no Python per element).  Partial sums travel
+in the wire dtype, so they are rounded once per hop, as MPI's float16 sum
+rounds them; the scale by ``1 / size`` is folded into the last addition of
+each chunk before its owner rounds it, and the allgather hands every rank
 the owner's bits, so all ranks end with the same array, bit for bit.
 
 Traffic per rank is the ring's ``2 (P-1)/P`` times the buffer, as MPI's

@@ -15,8 +15,7 @@ is therefore global, never a per-rank guess that would make ranks disagree.
 """
 import numpy
 
-import chainer
-
+from chainermn_overlap import _host
 from chainermn_overlap import _mpi_json
 from chainermn_overlap.communication import buckets as buckets_module
 from chainermn_overlap.communication import watchdog as watchdog_module
@@ -36,13 +35,13 @@ UNCHANGED, RELAYOUT, SKIP = 0, 1, 2
 def bcast_array(mpi_comm, array, root):
     """Broadcasts an array in place (as bytes; staged on the host for GPU)."""
     from mpi4py import MPI
-    xp = chainer.backend.get_array_module(array)
-    host = array if xp is numpy else chainer.backend.CpuDevice().send(array)
-    if not host.flags.c_contiguous:
-        host = numpy.ascontiguousarray(host)
-    mpi_comm.Bcast([host.view(numpy.uint8).reshape(-1), MPI.BYTE], root=root)
-    if host is not array:
-        array[...] = xp.asarray(host)
+    host, finish = _host.stage_to_host(array)
+    buf = numpy.ascontiguousarray(host)
+    mpi_comm.Bcast([buf.view(numpy.uint8).reshape(-1), MPI.BYTE], root=root)
+    if buf is not host:
+        host[...] = buf
+    if finish is not None:
+        finish()
 
 
 def _describe(sig):
@@ -69,7 +68,8 @@ class LayoutManager(object):
         wait (str): ``'forward'`` adds the small tail buckets.
     """
 
-    def __init__(self, mpi_comm, bucket_size, allreduce_grad_dtype, wait):
+    def __init__(self, mpi_comm, bucket_size, allreduce_grad_dtype, wait,
+                 allow_groups=True):
         self.mpi_comm = mpi_comm
         self.rank = mpi_comm.rank
         self.size = mpi_comm.size
@@ -80,6 +80,10 @@ class LayoutManager(object):
         self.structure = None
         self.loaded = False
         self.control = None
+        self.allow_groups = allow_groups
+        # (name, param, group) of the parameters reduced within a group
+        # (``param.reduction_group``, e.g. distconv's channel blocks).
+        self.grouped = []
 
     # ------------------------------------------------------------------
     # What changed
@@ -185,19 +189,29 @@ class LayoutManager(object):
         """
         comm = self.mpi_comm
         named = sorted(target.namedparams())
+        groups = {n: getattr(p, 'reduction_group', None) for n, p in named}
+        grouped = sorted(n for n, g in groups.items() if g is not None)
         mine = {n: ([list(p.shape), str(p.dtype)] if p.array is not None
                     else [None, None]) for n, p in named}
         gathered = _mpi_json.allgather_json(
             comm, {'params': mine, 'loaded': bool(self.loaded),
                    'changes_step': self.changes_step(target),
-                   'order': observed})
-        self._check_same_model(named, gathered)
+                   'order': observed, 'grouped': grouped})
+        self._check_same_model(named, gathered, set(grouped))
+        self._check_groups(gathered, grouped, named)
         if skip is None:
             skip = (any(g['changes_step'] for g in gathered)
                     and not all(g['loaded'] for g in gathered))
-        self._initialise_and_broadcast(named, gathered)
+        replicated = [(n, p) for n, p in named if groups[n] is None]
+        self._initialise_and_broadcast(replicated, gathered)
+        self.grouped = [(n, p, groups[n]) for n, p in named
+                        if groups[n] is not None]
+        for n, p, group in self.grouped:
+            # Blocks differ between groups: broadcast within the group, in
+            # name order (the same on every member).
+            bcast_array(group.mpi_comm, p.array, root=0)
         plan = _mpi_json.bcast_json(
-            comm, self._plan(named, gathered[0]['order'])
+            comm, self._plan(replicated, gathered[0]['order'])
             if self.rank == 0 else None)
         by_name = dict(named)
         buckets, infos = [], []
@@ -248,7 +262,33 @@ class LayoutManager(object):
                     entries, self.bucket_size, self.allreduce_grad_dtype,
                     tail=TAIL_BUCKETS if self.wait == 'forward' else ())]
 
-    def _check_same_model(self, named, gathered):
+    def _check_groups(self, gathered, grouped, named):
+        if not grouped:
+            return
+        if not self.allow_groups:
+            raise ValueError(
+                'parameters {} are reduced within a group of processes '
+                '(param.reduction_group, e.g. distconv channel blocks), '
+                'which this optimizer does not support (rank {}); train '
+                'with chainermn_overlap.create_overlapped_optimizer.'
+                .format(grouped[:5], self.rank))
+        for r, g in enumerate(gathered):
+            if g['grouped'] != grouped:
+                raise ValueError(
+                    'ranks disagree on which parameters are reduced within a '
+                    'group: rank {} has {}, rank {} has {}. Every rank must '
+                    'build the same distconv model on the same grid.'.format(
+                        self.rank, grouped[:5], r, g['grouped'][:5]))
+        by_name = dict(named)
+        for n in grouped:
+            if by_name[n].array is None:
+                raise ValueError(
+                    'parameter {} is a block reduced within a group but is '
+                    'not initialised on rank {}: give its link the input '
+                    'size, or run one forward before the first update.'
+                    .format(n, self.rank))
+
+    def _check_same_model(self, named, gathered, grouped=()):
         names0 = sorted(gathered[0]['params'])
         for r, g in enumerate(gathered):
             names = sorted(g['params'])
@@ -262,6 +302,8 @@ class LayoutManager(object):
                     'create_overlapped_optimizer(...).setup(model).'.format(
                         r, extra[:5], missing[:5], self.rank))
         for n, _ in named:
+            if n in grouped:
+                continue   # a block of a different size on each group
             seen = {}
             for r, g in enumerate(gathered):
                 shape, dtype = g['params'][n]

@@ -90,8 +90,13 @@ class UpdatePolicy(object):
             self.by_bucket.setdefault(info.bucket.index, []).append(info)
         self.pending_count = 0
 
-    def finish_iteration(self, target):
-        """All buckets of the iteration are posted: update or defer."""
+    def finish_iteration(self, target, immediate=()):
+        """All buckets of the iteration are posted: update or defer.
+
+        ``immediate``: parameters outside the layout whose ``grad`` already
+        holds the reduced gradient (reduced within their group): with
+        ``wait='forward'`` they are updated now, not deferred.
+        """
         fallback = fallback_reason(self.actual)
         if self.wait == 'update' or fallback:
             if fallback and self.wait == 'forward' and not self.warned_fallback:
@@ -104,6 +109,7 @@ class UpdatePolicy(object):
             self.complete_in_update()
         else:
             self._defer(target)
+            self._update_now(immediate)
 
     def complete_in_update(self):
         """ChainerMN semantics: mean gradients in param.grad, then update."""
@@ -138,6 +144,16 @@ class UpdatePolicy(object):
         for p in target.params():
             if id(p) not in in_layout and p.array is None:
                 p.update()
+
+    def _update_now(self, params):
+        pre, post = self.deferred_hooks
+        for param in params:
+            rule = param.update_rule
+            for hook in pre:
+                hook(rule, param)
+            param.update()
+            for hook in post:
+                hook(rule, param)
 
     def apply(self, infos):
         """Waits for the reductions of ``infos`` and runs their update."""

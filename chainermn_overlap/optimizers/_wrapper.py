@@ -9,8 +9,8 @@ import numpy
 import chainer
 import chainermn
 
+from chainermn_overlap import config
 from chainermn_overlap.communication import backends
-from chainermn_overlap.communication import watchdog as watchdog_module
 
 
 class OptimizerWrapper(object):
@@ -121,14 +121,13 @@ def check_watch_options(timeout, stall_warning, debug):
     """Validates the watchdog options now (a bad value fails at creation,
     not at setup()); they are resolved with the environment by the engine.
     """
-    watchdog_module.resolve_timeout(timeout)
-    watchdog_module.resolve_stall_warning(stall_warning)
-    return (timeout, stall_warning, debug)
+    config.resolve_timeout(timeout)
+    config.resolve_stall_warning(stall_warning)
+    return {'timeout': timeout, 'stall_warning': stall_warning,
+            'debug': debug}
 
 
 def make_engine(name, mpi_comm, options, watch_options):
     """Starts the progress engine ``name`` with its watchdog options."""
-    engine = backends.get_backend(name)(mpi_comm, **options)
-    timeout, stall_warning, debug = watch_options
-    engine.configure(timeout, stall_warning, debug, mpi_comm=mpi_comm)
-    return engine
+    return backends.get_backend(name)(mpi_comm, **dict(options,
+                                                       **watch_options))

@@ -32,6 +32,7 @@ rank must change its model at the same iteration.
 """
 import chainer
 
+from chainermn_overlap import config
 from chainermn_overlap.communication import backends
 from chainermn_overlap.communication import timeline as timeline_module
 from chainermn_overlap.optimizers import _wrapper
@@ -58,7 +59,8 @@ class _DoubleBufferingState(object):
         self.engine = None
         self.target = None
         self.layout = LayoutManager(self.mpi_comm, bucket_size,
-                                    allreduce_grad_dtype, 'update')
+                                    allreduce_grad_dtype, 'update',
+                                    allow_groups=False)
         self.stats = CommunicationStats()
         # Two buffer sets: one receives this iteration's gradients while
         # the other's reduction (posted one iteration ago) completes.
@@ -262,12 +264,11 @@ def create_double_buffering_optimizer(actual_optimizer, communicator,
         ``synchronize()`` (alias ``wait()``), ``close()`` and
         ``communication_stats()`` are its own.
     """
-    from chainermn_overlap.optimizers import overlapped
     _wrapper.check_arguments('create_double_buffering_optimizer',
                              actual_optimizer, communicator)
     backends.get_backend(backend)  # an unknown name fails here, not later
     bucket_size = (DEFAULT_BUCKET_SIZE if bucket_size is None
-                   else overlapped.parse_size(bucket_size))
+                   else config.parse_size(bucket_size))
     tl = (timeline_module.Timeline(str(timeline), communicator.rank)
           if timeline is not None else timeline_module.NullTimeline())
     return _DoubleBufferingOptimizer(_DoubleBufferingState(

@@ -26,19 +26,18 @@ This module is the wiring of four parts, each in its own module::
 """
 import atexit
 import contextlib
-import re
 import time
 import weakref
 
 import numpy
 
 import chainer
-import chainermn
 
 from chainermn_overlap import _autosync
+from chainermn_overlap import _host
+from chainermn_overlap import config
 from chainermn_overlap.communication import backends
 from chainermn_overlap.communication import timeline as timeline_module
-from chainermn_overlap.communication import watchdog as watchdog_module
 from chainermn_overlap.hooks import taps
 from chainermn_overlap.optimizers import _reducer
 from chainermn_overlap.optimizers import _wrapper
@@ -52,28 +51,6 @@ from chainermn_overlap.optimizers._tracker import GradientTracker
 
 
 DEFAULT_BUCKET_SIZE = 16 * 1024 * 1024
-
-_SIZE_UNITS = {'': 1, 'b': 1, 'kb': 10 ** 3, 'mb': 10 ** 6, 'gb': 10 ** 9,
-               'kib': 2 ** 10, 'mib': 2 ** 20, 'gib': 2 ** 30}
-
-
-def parse_size(value):
-    """Parses a bucket size: bytes as a number, or a string like ``'25MB'``."""
-    if isinstance(value, str):
-        m = re.fullmatch(r'\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*', value)
-        if m is None or m.group(2).lower() not in _SIZE_UNITS:
-            raise ValueError(
-                'size {!r} is not understood; give a number of bytes '
-                'or a string such as "25MB" or "4MiB"'.format(value))
-        value = float(m.group(1)) * _SIZE_UNITS[m.group(2).lower()]
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ValueError('a size must be a number of bytes or a string '
-                         'such as "25MB", got {!r}'.format(value))
-    if not value >= 1:
-        raise ValueError('a size must be at least 1 byte, got {!r}'
-                         .format(value))
-    return int(value)
-
 
 class _OverlapState(object):
     """The optimizer's parts and the wiring between them.
@@ -97,8 +74,8 @@ class _OverlapState(object):
         self.backend_name = backend
         self.backend_options = backend_options
         # Watchdog options (timeout, stall_warning, debug); see
-        # communication/watchdog.py.
-        self.watch_options = (None, None, None)
+        # communication/engine.py.
+        self.watch_options = {}
         self.engine = None
         self.target = None
         self.timeline = timeline or timeline_module.NullTimeline()
@@ -222,7 +199,8 @@ class _OverlapState(object):
         if level != UNCHANGED:
             self._relayout(skip=level == SKIP and not all_loaded)
             return
-        self.policy.finish_iteration(self.target)
+        self._reduce_groups()
+        self.policy.finish_iteration(self.target, self._grouped_params())
         self.reducer.operation.step_done()
         self._next_iteration()
 
@@ -256,9 +234,34 @@ class _OverlapState(object):
         for info in infos:
             self.reducer.pack(info, info.param.grad)
         self.reducer.try_post(self.tracker.iteration)
+        self._reduce_groups()
         self.policy.complete_in_update()
         self.reducer.operation.step_done()
         self._next_iteration()
+
+    def _grouped_params(self):
+        return [p for _, p, _ in self.layout.grouped]
+
+    def _reduce_groups(self):
+        """Reduces the parameters that live on part of the processes.
+
+        Each is summed over its group (``param.reduction_group``: the
+        processes holding the same block) and scaled by the group's
+        ``sum_scale``, blocking, in name order: the same sequence on every
+        member of every group.  ``param.grad`` then holds the result.
+        """
+        from mpi4py import MPI
+        for _, p, group in self.layout.grouped:
+            if p.grad is None:
+                p.grad = p.array * 0
+            host, finish = _host.stage_to_host(p.grad)
+            buf = numpy.ascontiguousarray(host)
+            group.mpi_comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM)
+            buf *= buf.dtype.type(group.sum_scale)
+            if buf is not host:
+                host[...] = buf
+            if finish is not None:
+                finish()
 
     def synchronize(self):
         """Finishes every posted reduction and applies pending updates."""
@@ -277,6 +280,10 @@ class _OverlapState(object):
         """Parameters were deserialized: broadcast them at the next update."""
         self.layout.mark_loaded()
 
+
+# Parameters with a ``reduction_group`` (distconv's channel blocks) are
+# reduced within their group (see _OverlapState._reduce_groups).
+SUPPORTS_REDUCTION_GROUPS = True
 
 _TIMELINES = weakref.WeakSet()
 
@@ -361,14 +368,19 @@ class _OverlappedOptimizer(_wrapper.OptimizerWrapper):
         Returns:
             dict: ``buckets``, ``bytes``, ``comm_seconds`` (time spent
             reducing), ``wait_seconds`` (time training waited for
-            reductions) and ``hidden_fraction`` (``1 - wait/comm``).
+            reductions) and ``hidden_fraction`` (``1 - wait/comm``); with
+            a compression also ``compression_seconds`` (its own compute,
+            on the communication thread).
         """
-        stats = self._overlap.stats
-        out = stats.as_dict()
+        st = self._overlap
+        out = st.stats.as_dict()
+        if st.compression is not None:
+            out['compression_seconds'] = st.compression.compute_seconds
         if reset:
-            stats.reset()
+            st.stats.reset()
+            if st.compression is not None:
+                st.compression.compute_seconds = 0.0
         return out
-
 
 
 def create_overlapped_optimizer(actual_optimizer, communicator,
@@ -432,9 +444,9 @@ def create_overlapped_optimizer(actual_optimizer, communicator,
             :class:`chainermn_overlap.StallWarning` says which ranks have
             not posted which bucket and where their main thread is.
             Default ``CHAINERMN_OVERLAP_STALL_WARNING`` or off.
-        debug (bool): check before every reduction that all ranks post the
-            same one (``'mpi_thread'`` backend; one extra tiny allreduce
-            each).  The bucket layout and iteration are checked at every
+        debug (bool): check before every reduction (every chunk with
+            ``'mpi_priority'``) that all ranks post the same one (one extra
+            tiny allreduce each).  The bucket layout and iteration are checked at every
             iteration regardless.  Default ``CHAINERMN_OVERLAP_DEBUG``.
         compression: a gradient compression such as
             ``chainermn_overlap.PowerSGD(rank=4, warmup_iterations=100)``
@@ -451,7 +463,7 @@ def create_overlapped_optimizer(actual_optimizer, communicator,
         raise ValueError("wait must be 'forward' or 'update', got {!r}"
                          .format(wait))
     bucket_size = (DEFAULT_BUCKET_SIZE if bucket_size is None
-                   else parse_size(bucket_size))
+                   else config.parse_size(bucket_size))
     allreduce_grad_dtype = _wrapper.check_wire_dtype(allreduce_grad_dtype)
     _wrapper.check_compression(compression, allreduce_grad_dtype)
     backends.get_backend(backend)
@@ -460,7 +472,7 @@ def create_overlapped_optimizer(actual_optimizer, communicator,
         if backend != 'mpi_priority':
             raise ValueError("chunk_size applies to backend='mpi_priority' "
                              'only, not {!r}'.format(backend))
-        backend_options['chunk_bytes'] = parse_size(chunk_size)
+        backend_options['chunk_bytes'] = config.parse_size(chunk_size)
     watch_options = _wrapper.check_watch_options(timeout, stall_warning,
                                                  debug)
     tl = (timeline_module.Timeline(str(timeline), communicator.rank)

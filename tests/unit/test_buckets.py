@@ -3,7 +3,7 @@ import pytest
 from hypothesis import given, strategies as st
 
 from chainermn_overlap.communication.buckets import plan_buckets, wire_dtype
-from chainermn_overlap.optimizers.overlapped import parse_size
+from chainermn_overlap.config import parse_size
 
 
 def test_wire_dtype():
