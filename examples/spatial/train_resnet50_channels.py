@@ -34,10 +34,10 @@ one allgather per bottleneck and no halo at all.
 
 Gradients of the channel blocks must be reduced within their reduction
 groups (``distconv.reduction_groups(model)``). ``--optimizer overlap``
-uses ``create_overlapped_optimizer`` (it must declare
-``SUPPORTS_REDUCTION_GROUPS``); ``--optimizer by-hand`` (the default until
-then) reduces each gradient as the descriptors say and steps a plain
-optimizer on every process. ChainerMN's own multi-node optimizer cannot
+(the default where it declares ``SUPPORTS_REDUCTION_GROUPS``) uses
+``create_overlapped_optimizer``; ``--optimizer by-hand`` reduces each
+gradient as the descriptors say and steps a plain optimizer on every
+process. ChainerMN's own multi-node optimizer cannot
 train this model (``distconv.check_replicated`` explains why). The loss is
 each process's mean over its sample group's samples (the training
 convention; ``grid.loss_scale`` keeps it exact for uneven or empty
