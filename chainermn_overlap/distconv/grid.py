@@ -57,10 +57,10 @@ class SpatialGrid(object):
     balanced blocks (:func:`geometry.block_range`, the rule of spatial
     blocks: the first ``n % channels`` blocks one larger); a tensor either
     has its channels split (channel coordinate ``c`` holds block ``c``) or
-    holds all of them on every channel coordinate (a replicated copy). Within a group, the
-    process with spatial rank ``s`` (row-major over ``shape``) owns the
-    balanced block (:func:`geometry.block_range`) of every spatial dimension
-    at its grid coordinates; sample groups split the global batch into
+    holds all of them on every channel coordinate (a replicated copy).
+    Within a spatial grid, the process with spatial rank ``s`` (row-major
+    over ``shape``) owns the balanced block (:func:`geometry.block_range`)
+    of every spatial dimension at its grid coordinates; sample groups split the global batch into
     balanced ranges of samples, like data parallelism does.
 
     A tensor in *spatial layout* has shape ``(N_group, C, *block)`` on each
