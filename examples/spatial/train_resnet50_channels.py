@@ -41,7 +41,9 @@ process. ChainerMN's own multi-node optimizer cannot
 train this model (``distconv.check_replicated`` explains why). The loss is
 each process's mean over its sample group's samples (the training
 convention; ``grid.loss_scale`` keeps it exact for uneven or empty
-groups). Data are synthetic; rank 0 prints progress.
+groups). With ``--tune`` the spatial grid and the cut are chosen by
+:func:`distconv.tune` (rank 0 prints the table). Data are synthetic; rank
+0 prints progress.
 """
 import argparse
 import time
@@ -209,6 +211,35 @@ def parse_grid(text, size):
     return (2, 2) if size % 4 == 0 else (2, 1) if size % 2 == 0 else (1, 1)
 
 
+def tune(comm, args):
+    """Times spatial grid x ``--channel-from`` cut candidates; the fastest.
+
+    Each candidate's late stages use a channel axis of ``prod(grid)``
+    processes; a (1, 1) grid means plain data parallelism throughout.
+
+    Returns:
+        tuple: (grid shape, channel_from), the same on every process.
+    """
+    cuts = [s.strip() for s in args.tune_cuts.split(',') if s.strip()]
+    candidates = [{'grid': list(g), 'channel_from': c}
+                  for g in distconv.tuner.candidate_grids(comm.size, 2)
+                  for c in (cuts if g[0] * g[1] > 1 else cuts[:1])]
+
+    def build(grid, cand):
+        cgrid = distconv.SpatialGrid(comm, (1, 1),
+                                     channels=grid.spatial_size)
+        np.random.seed(0)
+        return ResNet50Channels(grid, cgrid, cand['channel_from'],
+                                args.width)
+
+    result = distconv.tune(
+        comm, build, (args.batchsize, 3, args.insize, args.insize),
+        candidates, iterations=args.tune_iterations)
+    if comm.rank == 0:
+        print(distconv.tuner.format_table(result), flush=True)
+    return tuple(result['best']['grid']), result['best']['channel_from']
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument('--grid', default='', help='processes per (H, W) of the '
@@ -227,10 +258,21 @@ def main(argv=None):
                    choices=['auto', 'overlap', 'by-hand'],
                    help='auto: overlap if it supports reduction groups, '
                    'else by-hand')
+    p.add_argument('--tune', action='store_true',
+                   help='time every spatial grid x --tune-cuts candidate '
+                   'and train with the fastest (ignores --grid and '
+                   '--channel-from)')
+    p.add_argument('--tune-cuts', default='res4,res5',
+                   help='--channel-from values to try with --tune')
+    p.add_argument('--tune-iterations', type=int, default=2)
     args = p.parse_args(argv)
 
     comm = chainermn.create_communicator('naive')
-    grid = distconv.SpatialGrid(comm, parse_grid(args.grid, comm.size))
+    if args.tune:
+        shape, args.channel_from = tune(comm, args)
+    else:
+        shape = parse_grid(args.grid, comm.size)
+    grid = distconv.SpatialGrid(comm, shape)
     channel_grid = distconv.SpatialGrid(comm, (1, 1),
                                         channels=grid.spatial_size)
     np.random.seed(0)  # the same initial parameters on every process

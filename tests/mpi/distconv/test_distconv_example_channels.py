@@ -35,6 +35,17 @@ def test_example_runs(monkeypatch, capsys):
         assert 'iteration   1' in capsys.readouterr().out
 
 
+def test_example_tune(capsys):
+    m = _module()
+    times = m.main(['--tune', '--tune-cuts', 'res4', '--tune-iterations',
+                    '1', '--iterations', '1', '--insize', '32', '--width',
+                    '2', '--batchsize', '2'])
+    assert len(times) == 1
+    if comm().rank == 0:
+        out = capsys.readouterr().out
+        assert 'chosen:' in out and 'iteration   1' in out
+
+
 def test_one_step_equals_single_process():
     # float64: fifty layers of batch normalisation over tiny batches
     # amplify float32 rounding (a different summation order) past any
