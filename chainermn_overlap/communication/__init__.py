@@ -4,9 +4,11 @@ from chainermn_overlap.communication.engine import Engine  # NOQA
 from chainermn_overlap.communication.engine import get_backend  # NOQA
 from chainermn_overlap.communication.engine import register_backend  # NOQA
 # Imported for their side effect: they register 'mpi_thread',
-# 'mpi_priority' and 'emulated'.
+# 'mpi_priority', 'emulated' and 'nccl' (cupy is imported only when an
+# 'nccl' engine is built).
 from chainermn_overlap.communication import backends  # NOQA
 from chainermn_overlap.communication import scheduler  # NOQA
 from chainermn_overlap.communication import emulated  # NOQA
+from chainermn_overlap.communication import nccl  # NOQA
 
 __all__ = ['Engine', 'get_backend', 'plan_buckets', 'register_backend']
