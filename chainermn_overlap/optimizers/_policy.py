@@ -57,6 +57,16 @@ def hyperparams(hp, snapshot):
             setattr(hp, k, v)
 
 
+def _run_rule(param, pre, post):
+    """The actual optimizer's update of one parameter, with its hooks."""
+    rule = param.update_rule
+    for hook in pre:
+        hook(rule, param)
+    param.update()
+    for hook in post:
+        hook(rule, param)
+
+
 class UpdatePolicy(object):
     """Runs the update rules on the mean gradients.
 
@@ -113,19 +123,7 @@ class UpdatePolicy(object):
 
     def complete_in_update(self):
         """ChainerMN semantics: mean gradients in param.grad, then update."""
-        reducer = self.reducer
-        for bucket in reducer.buckets:
-            reducer.wait_bucket(bucket)
-        for info in self.infos:
-            g = reducer.mean_grad(info)
-            cur = info.param.grad
-            if (cur is not None and cur.shape == g.shape
-                    and cur.dtype == g.dtype):
-                cur[...] = g
-            else:
-                info.param.grad = g.copy()
-        for bucket in reducer.buckets:
-            bucket.handle = None
+        self.reducer.mean_grads_to_params(self.infos)
         self.actual.update()
 
     def _defer(self, target):
@@ -148,12 +146,7 @@ class UpdatePolicy(object):
     def _update_now(self, params):
         pre, post = self.deferred_hooks
         for param in params:
-            rule = param.update_rule
-            for hook in pre:
-                hook(rule, param)
-            param.update()
-            for hook in post:
-                hook(rule, param)
+            _run_rule(param, pre, post)
 
     def apply(self, infos):
         """Waits for the reductions of ``infos`` and runs their update."""
@@ -174,12 +167,7 @@ class UpdatePolicy(object):
                 param = info.param
                 saved = param.grad
                 param.grad = reducer.mean_grad(info)
-                rule = param.update_rule
-                for hook in pre:
-                    hook(rule, param)
-                param.update()
-                for hook in post:
-                    hook(rule, param)
+                _run_rule(param, pre, post)
                 param.grad = saved
                 info.pending = False
                 self.pending_count -= 1

@@ -278,6 +278,25 @@ class BucketReducer(object):
             g = g.astype(info.param.dtype)
         return g
 
+    def mean_grads_to_params(self, infos):
+        """Waits for every bucket; puts the mean gradients in param.grad.
+
+        ChainerMN's state after its reduction (in place where the shapes
+        allow); the buckets' results are then consumed.
+        """
+        for bucket in self.buckets:
+            self.wait_bucket(bucket)
+        for info in infos:
+            g = self.mean_grad(info)
+            cur = info.param.grad
+            if (cur is not None and cur.shape == g.shape
+                    and cur.dtype == g.dtype):
+                cur[...] = g
+            else:
+                info.param.grad = g.copy()
+        for bucket in self.buckets:
+            bucket.handle = None
+
     def drain(self):
         """Waits for every in-flight bucket and forgets its result."""
         for bucket in self.buckets:

@@ -22,7 +22,8 @@ class OptimizerWrapper(object):
 
     Args:
         state: the wrapper's state; must have ``actual`` (the wrapped
-            optimizer), ``communicator`` and ``target`` (the link set up).
+            optimizer), ``communicator``, ``target`` (the link set up),
+            ``stats`` and ``compression`` (or None).
     """
 
     def __init__(self, state):
@@ -43,6 +44,26 @@ class OptimizerWrapper(object):
 
     def __setattr__(self, name, value):
         setattr(self._state.actual, name, value)
+
+    def communication_stats(self, reset=False):
+        """Gradient communication counters since setup (or the last reset).
+
+        Returns:
+            dict: ``buckets``, ``bytes``, ``comm_seconds`` (time spent
+            reducing), ``wait_seconds`` (time training waited for
+            reductions) and ``hidden_fraction`` (``1 - wait/comm``); with
+            a compression also ``compression_seconds`` (its own compute,
+            on the communication thread).
+        """
+        st = self._state
+        out = st.stats.as_dict()
+        if st.compression is not None:
+            out['compression_seconds'] = st.compression.compute_seconds
+        if reset:
+            st.stats.reset()
+            if st.compression is not None:
+                st.compression.compute_seconds = 0.0
+        return out
 
     def _backward(self, lossfun, args, kwds):
         """``update()``'s prologue, exactly as ChainerMN's optimizers do it.

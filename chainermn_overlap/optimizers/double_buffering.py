@@ -62,6 +62,7 @@ class _DoubleBufferingState(object):
                                     allreduce_grad_dtype, 'update',
                                     allow_groups=False)
         self.stats = CommunicationStats()
+        self.compression = None
         # Two buffer sets: one receives this iteration's gradients while
         # the other's reduction (posted one iteration ago) completes.
         self.reducers = [
@@ -121,18 +122,7 @@ class _DoubleBufferingState(object):
     def apply_mean(self, k):
         """Waits for set ``k`` and puts its mean gradients in param.grad."""
         reducer = self.reducers[k]
-        for bucket in reducer.buckets:
-            reducer.wait_bucket(bucket)
-        for info in self.infos[k]:
-            g = reducer.mean_grad(info)
-            cur = info.param.grad
-            if (cur is not None and cur.shape == g.shape
-                    and cur.dtype == g.dtype):
-                cur[...] = g
-            else:
-                info.param.grad = g.copy()
-        for bucket in reducer.buckets:
-            bucket.handle = None
+        reducer.mean_grads_to_params(self.infos[k])
         reducer.next_iteration()
 
     def wait(self):
@@ -213,19 +203,6 @@ class _DoubleBufferingOptimizer(_wrapper.OptimizerWrapper):
         if st.engine is not None:
             st.engine.close()
             st.engine = None
-
-    def communication_stats(self, reset=False):
-        """Counters since setup (or the last reset).
-
-        Returns:
-            dict: ``buckets``, ``bytes``, ``comm_seconds`` (time spent
-            reducing), ``wait_seconds`` (time training waited) and
-            ``hidden_fraction`` (``1 - wait/comm``).
-        """
-        out = self._db.stats.as_dict()
-        if reset:
-            self._db.stats.reset()
-        return out
 
 
 def create_double_buffering_optimizer(actual_optimizer, communicator,

@@ -362,26 +362,6 @@ class _OverlappedOptimizer(_wrapper.OptimizerWrapper):
         """Writes the timeline now (if enabled); returns its path."""
         return self._overlap.write_timeline()
 
-    def communication_stats(self, reset=False):
-        """Gradient communication counters since setup (or the last reset).
-
-        Returns:
-            dict: ``buckets``, ``bytes``, ``comm_seconds`` (time spent
-            reducing), ``wait_seconds`` (time training waited for
-            reductions) and ``hidden_fraction`` (``1 - wait/comm``); with
-            a compression also ``compression_seconds`` (its own compute,
-            on the communication thread).
-        """
-        st = self._overlap
-        out = st.stats.as_dict()
-        if st.compression is not None:
-            out['compression_seconds'] = st.compression.compute_seconds
-        if reset:
-            st.stats.reset()
-            if st.compression is not None:
-                st.compression.compute_seconds = 0.0
-        return out
-
 
 def create_overlapped_optimizer(actual_optimizer, communicator,
                                 wait='forward', bucket_size=None,
