@@ -48,7 +48,7 @@ import time
 if not __package__:
     sys.path.insert(0, os.path.abspath(os.path.join(__file__, '..', '..')))
 
-from benchmarks import launch, machine, netbed  # noqa: E402
+from benchmarks import anchor, launch, machine, netbed  # noqa: E402
 from benchmarks.launch import RESULTS, ROOT  # noqa: E402
 
 MODULE = 'benchmarks.overlap_bench'
@@ -109,7 +109,7 @@ def _make_optimizer(mode, comm, cfg):
     if mode == 'blocking':
         mn_comm = comm
         if emu:
-            mn_comm = emulated.EmulatedCommunicator(comm, emulated.LinkModel(
+            mn_comm = anchor.EmulatedCommunicator(comm, emulated.LinkModel(
                 emu['nodes'], emu['bandwidth_bit_per_s'], emu['latency_s']))
         return chainermn.create_multi_node_optimizer(actual, mn_comm)
     if mode == 'double_buffering':
@@ -435,7 +435,7 @@ def emulation_settings(t_compute_local, nbytes):
     ``latency * t_local / t_c``.
     """
     from chainermn_overlap.communication import emulated
-    t_c_anchor = emulated.anchor_compute_seconds(
+    t_c_anchor = anchor.anchor_compute_seconds(
         nbytes, ANCHOR['nodes'], ANCHOR['bandwidth_bit_per_s'],
         ANCHOR['blocking_scalability'], ANCHOR['latency_s'])
     factor = t_c_anchor / t_compute_local

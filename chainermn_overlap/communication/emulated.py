@@ -27,9 +27,9 @@ the link becomes free.  Use it with the optimizers by name::
 
 ``'emulated'`` itself uses :data:`DEFAULTS`, overridden by the environment
 variable ``CHAINERMN_OVERLAP_EMULATION`` (``"nodes=16,bandwidth=10gbit,
-latency=25us"``).  ChainerMN's blocking optimizer does not use backends; wrap
-its communicator in :class:`EmulatedCommunicator` to time it by the same
-model.
+latency=25us"``).  ChainerMN's blocking optimizer does not use engines;
+the benchmarks time it by the same model with their own
+``benchmarks.anchor.EmulatedCommunicator``.
 """
 import functools
 import threading
@@ -39,10 +39,9 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 from chainermn_overlap import config
 from chainermn_overlap.communication import engine as engine_module
 
-__all__ = ['DEFAULTS', 'ENV_VAR', 'EmulatedCommunicator', 'LinkModel',
-           'anchor_compute_seconds', 'configure', 'emulated_backend',
-           'parse_settings', 'ring_allreduce_seconds', 'scale_bandwidth',
-           'schedule', 'wire_bytes']
+__all__ = ['DEFAULTS', 'ENV_VAR', 'LinkModel', 'configure',
+           'emulated_backend', 'parse_settings', 'ring_allreduce_seconds',
+           'schedule', 'sleep_until']
 
 # Defined in chainermn_overlap.config; kept importable from here.
 ENV_VAR = config.EMULATION_ENV
@@ -77,11 +76,6 @@ def ring_allreduce_seconds(nbytes: float, nodes: int, alpha: float,
     return steps * alpha + steps / float(nodes) * nbytes / beta
 
 
-def wire_bytes(nbytes: float, nodes: int) -> float:
-    """Bytes each node sends in a ring allreduce: ``2 (N-1)/N * nbytes``."""
-    return 2.0 * (nodes - 1) / nodes * nbytes
-
-
 def schedule(posts: Sequence[Tuple[float, float]], nodes: int, alpha: float,
              beta: float, free_at: float = float('-inf')
              ) -> List[Tuple[float, float]]:
@@ -102,46 +96,6 @@ def schedule(posts: Sequence[Tuple[float, float]], nodes: int, alpha: float,
         free_at = start + ring_allreduce_seconds(nbytes, nodes, alpha, beta)
         out.append((start, free_at))
     return out
-
-
-def scale_bandwidth(bandwidth: float, anchor_compute_s: float,
-                    local_compute_s: float) -> float:
-    """Bandwidth that keeps the anchor's communication/computation ratio.
-
-    Communication time scales as ``1 / bandwidth``; to keep
-    ``t_comm / t_compute`` of the anchor on a machine whose iteration
-    computes in ``local_compute_s`` instead of ``anchor_compute_s``, the link
-    must be slower by the same factor.
-
-    Returns:
-        float: ``bandwidth * anchor_compute_s / local_compute_s``.
-    """
-    if anchor_compute_s <= 0 or local_compute_s <= 0:
-        raise ValueError('compute times must be positive')
-    return bandwidth * anchor_compute_s / local_compute_s
-
-
-def anchor_compute_seconds(nbytes: float, nodes: int, bandwidth: float,
-                           blocking_scalability: float,
-                           latency: float = 0.0) -> float:
-    """Per-iteration compute time implied by a blocking scalability figure.
-
-    With blocking communication an iteration takes ``t_c + t_comm``, so the
-    scalability is ``s = t_c / (t_c + t_comm)`` and
-    ``t_c = t_comm * s / (1 - s)``, with ``t_comm`` from the ring model.
-
-    Args:
-        nbytes (int): gradient bytes reduced per iteration.
-        nodes (int): nodes of the anchor.
-        bandwidth (float): anchor link rate in bit/s.
-        blocking_scalability (float): the anchor's blocking figure, in (0, 1).
-        latency (float): per-step latency in seconds.
-    """
-    if not 0 < blocking_scalability < 1:
-        raise ValueError('blocking_scalability must be in (0, 1), got {}'
-                         .format(blocking_scalability))
-    t_comm = ring_allreduce_seconds(nbytes, nodes, latency, bandwidth / 8.0)
-    return t_comm * blocking_scalability / (1.0 - blocking_scalability)
 
 
 class LinkModel(object):
@@ -193,7 +147,8 @@ class LinkModel(object):
                 'latency_s': self.latency, 'label': self.label()}
 
 
-def _sleep_until(deadline):
+def sleep_until(deadline: float) -> None:
+    """Sleeps until ``time.perf_counter()`` reaches ``deadline``."""
     # time.sleep releases the GIL, so the training thread keeps computing.
     while True:
         left = deadline - time.perf_counter()
@@ -238,7 +193,7 @@ class _ModelledComm(object):
         _, finish = self._link.reserve(issued, _nbytes(recvbuf))
         if time.perf_counter() > finish:
             self.late += 1
-        _sleep_until(finish)
+        sleep_until(finish)
 
     def __getattr__(self, name):
         return getattr(self._comm, name)
@@ -339,40 +294,3 @@ def configure(nodes: int, bandwidth: Union[float, str],
         emulated_backend, base=base, nodes=link.nodes,
         bandwidth=link.bandwidth, latency=link.latency))
     return name
-
-
-class EmulatedCommunicator(object):
-    """A ChainerMN communicator whose gradient averaging is timed by a model.
-
-    For ChainerMN's blocking optimizer, which calls
-    ``communicator.multi_node_mean_grad`` directly: the real averaging runs,
-    then the call returns when one fused ring allreduce of all gradients
-    would have finished on ``link`` (as ChainerMN's ``flat`` communicator
-    packs them; the ``naive`` one would pay the latency once per array).
-    Everything else is delegated to the wrapped communicator.
-
-    Args:
-        communicator: a ChainerMN communicator.
-        link (LinkModel): the emulated link.
-    """
-
-    def __init__(self, communicator, link):
-        object.__setattr__(self, '_comm', communicator)
-        object.__setattr__(self, 'link', link)
-
-    def multi_node_mean_grad(self, model: Any, zero_fill: bool = False
-                             ) -> None:
-        """Averages the gradients, returning when the model says."""
-        nbytes = 0
-        for param in model.params():
-            if param.array is None:
-                continue
-            if param.grad is not None or zero_fill:
-                nbytes += param.array.nbytes
-        posted = time.perf_counter()
-        self._comm.multi_node_mean_grad(model, zero_fill)
-        _, finish = self.link.reserve(posted, nbytes)
-        _sleep_until(finish)
-
-    def __getattr__(self, name):
-        return getattr(self._comm, name)
