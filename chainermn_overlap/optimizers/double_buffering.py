@@ -30,6 +30,8 @@ of the last iteration are never applied (as in ChainerMN).  As in ChainerMN,
 each rank decides from its own model whether the parameters changed: every
 rank must change its model at the same iteration.
 """
+from typing import Any, Optional, Union
+
 import chainer
 
 from chainermn_overlap import config
@@ -40,6 +42,8 @@ from chainermn_overlap.optimizers._layout import LayoutManager
 from chainermn_overlap.optimizers._reducer import BucketReducer
 from chainermn_overlap.optimizers._reducer import CommunicationStats
 from chainermn_overlap.optimizers._tracker import ParamState
+
+__all__ = ['create_double_buffering_optimizer']
 
 DEFAULT_BUCKET_SIZE = 64 * 1024 * 1024
 
@@ -205,12 +209,15 @@ class _DoubleBufferingOptimizer(_wrapper.OptimizerWrapper):
             st.engine = None
 
 
-def create_double_buffering_optimizer(actual_optimizer, communicator,
-                                      zero_fill=True, backend='mpi_thread',
-                                      bucket_size=None,
-                                      allreduce_grad_dtype=None,
-                                      timeout=None, stall_warning=None,
-                                      debug=None, timeline=None):
+def create_double_buffering_optimizer(
+        actual_optimizer: chainer.Optimizer, communicator: Any,
+        zero_fill: bool = True, backend: str = 'mpi_thread',
+        bucket_size: Union[int, str, None] = None,
+        allreduce_grad_dtype: Any = None,
+        timeout: Union[float, str, None] = None,
+        stall_warning: Union[float, str, None] = None,
+        debug: Optional[bool] = None, timeline: Optional[str] = None
+) -> '_DoubleBufferingOptimizer':
     """Creates a multi-node optimizer that updates with stale gradients.
 
     CPU/MPI double buffering with the semantics of ChainerMN's

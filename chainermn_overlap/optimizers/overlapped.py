@@ -28,6 +28,7 @@ import atexit
 import contextlib
 import time
 import weakref
+from typing import Any, Optional, Union
 
 import numpy
 
@@ -38,6 +39,7 @@ from chainermn_overlap import _host
 from chainermn_overlap import config
 from chainermn_overlap.communication import backends
 from chainermn_overlap.communication import timeline as timeline_module
+from chainermn_overlap.compression import PowerSGD
 from chainermn_overlap.hooks import taps
 from chainermn_overlap.optimizers import _reducer
 from chainermn_overlap.optimizers import _wrapper
@@ -49,6 +51,9 @@ from chainermn_overlap.optimizers._reducer import BucketReducer
 from chainermn_overlap.optimizers._reducer import CommunicationStats  # NOQA
 from chainermn_overlap.optimizers._tracker import GradientTracker
 
+
+__all__ = ['DEFAULT_BUCKET_SIZE', 'SUPPORTS_REDUCTION_GROUPS',
+           'create_overlapped_optimizer']
 
 DEFAULT_BUCKET_SIZE = 16 * 1024 * 1024
 
@@ -363,13 +368,17 @@ class _OverlappedOptimizer(_wrapper.OptimizerWrapper):
         return self._overlap.write_timeline()
 
 
-def create_overlapped_optimizer(actual_optimizer, communicator,
-                                wait='forward', bucket_size=None,
-                                zero_fill=True, allreduce_grad_dtype=None,
-                                backend='mpi_priority', chunk_size=None,
-                                timeline=None, timeout=None,
-                                stall_warning=None, debug=None,
-                                compression=None):
+def create_overlapped_optimizer(
+        actual_optimizer: chainer.Optimizer, communicator: Any,
+        wait: str = 'forward', bucket_size: Union[int, str, None] = None,
+        zero_fill: bool = True, allreduce_grad_dtype: Any = None,
+        backend: str = 'mpi_priority',
+        chunk_size: Union[int, str, None] = None,
+        timeline: Optional[str] = None,
+        timeout: Union[float, str, None] = None,
+        stall_warning: Union[float, str, None] = None,
+        debug: Optional[bool] = None,
+        compression: Optional[PowerSGD] = None) -> '_OverlappedOptimizer':
     """Creates a multi-node optimizer that overlaps reduction with compute.
 
     A drop-in for :func:`chainermn.create_multi_node_optimizer`: gradients
