@@ -48,17 +48,35 @@ test-netbed: venv
 	$(PY) -m pytest -q -p no:cacheprovider -rs tests/netbed
 
 # The benchmark's own set-up: iproute2 (ip, tc) for the network namespaces,
-# matplotlib for the plot.  BENCH_ARGS passes options, e.g.
+# matplotlib for the plots, scikit-learn for its bundled digits data set
+# (real data for the accuracy runs; nothing is downloaded).  BENCH_ARGS
+# passes options to the overlap benchmark, e.g.
 # make bench BENCH_ARGS='--model resnet_small --quick'
+# COMPRESSION_ARGS to the compression benchmark, ACCURACY_ARGS to the
+# accuracy runs.  bench-overlap, bench-compression and bench-accuracy run
+# one part each.
 BENCH_ARGS ?=
+COMPRESSION_ARGS ?=
+ACCURACY_ARGS ?=
 bench-deps: venv
 	@command -v ip >/dev/null && command -v tc >/dev/null || \
 	    { apt-get update && apt-get install -y iproute2; }
 	@$(PY) -c 'import matplotlib' 2>/dev/null || \
 	    $(PY) -m pip install -q matplotlib
+	@$(PY) -c 'import sklearn' 2>/dev/null || \
+	    $(PY) -m pip install -q scikit-learn
 
-bench: bench-deps
+bench: bench-overlap bench-compression bench-accuracy
+
+.PHONY: bench-overlap bench-compression bench-accuracy
+bench-overlap: bench-deps
 	$(PY) -m benchmarks.overlap_bench $(BENCH_ARGS)
+
+bench-compression: bench-deps
+	$(PY) -m benchmarks.compression_bench $(COMPRESSION_ARGS)
+
+bench-accuracy: bench-deps
+	$(PY) -m benchmarks.accuracy $(ACCURACY_ARGS)
 
 clean:
 	rm -rf $(VENV) .mpi-logs build *.egg-info
