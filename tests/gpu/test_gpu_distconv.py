@@ -1,0 +1,82 @@
+"""The distconv exactness suite with blocks on a GPU.
+
+Each layer runs serially with numpy on the global batch (the reference)
+and distributed with every process's block and the layer's parameters on
+the device; outputs, input gradients and summed parameter gradients must
+agree.  Cases and grids are the CPU suite's
+(``tests/mpi/distconv/test_distconv_layers.py``); halos are staged through
+host memory by the exchange.
+"""
+import chainer
+import chainer.links as L
+import numpy as np
+import pytest
+
+from chainermn_overlap import distconv
+from chainermn_overlap.testing import device
+from chainermn_overlap.testing import equivalence as eq
+
+DEV = device.require(eq.get_communicator().rank)
+
+import distconv_mpi_helpers as helpers  # NOQA: E402
+import test_distconv_layers as cpu  # NOQA: E402
+
+GRIDS = [(1, 1), (2, 1), (1, 2)]
+
+
+def compare_on_device(g, x, serial, dist, params):
+    chk = helpers.Checker(1e-4, 1e-5)
+    rng = np.random.RandomState(0)
+    xs = chainer.Variable(x.copy())
+    ys = serial(xs)
+    gy = rng.randn(*ys.shape).astype(ys.dtype)
+    ys.grad = gy.copy()
+    ys.backward()
+    if isinstance(dist, chainer.Link):
+        dist.to_device(DEV)
+    xd = chainer.Variable(device.to_device(g.scatter(x), DEV))
+    yd = dist(xd)
+    chk.true('output on the device', chainer.backend.get_array_module(
+        yd.array) is device.xp(DEV))
+    yd.grad = device.to_device(g.scatter(gy), DEV)
+    yd.backward()
+    chk.close('forward', g.gather(device.to_host(yd.array)), ys.array)
+    chk.close('input grad', g.gather(device.to_host(xd.grad)), xs.grad)
+    for name, ps, pd in params:
+        grad = (device.to_host(pd.grad) if pd.grad is not None
+                else np.zeros_like(ps.grad))
+        chk.close('grad of ' + name, helpers.sum_over_ranks(grad), ps.grad)
+    chk.done()
+
+
+@pytest.mark.parametrize('shape', GRIDS, ids=str)
+@pytest.mark.parametrize('case', cpu.CONV2D_CASES, ids=str)
+def test_gpu_convolution_2d(shape, case):
+    g = helpers.grid(shape)
+    h, w, ci, co, k, s, p, d, groups = case
+    rng = np.random.RandomState(1)
+    x = rng.randn(3, ci, h, w).astype(np.float32)
+    serial = L.Convolution2D(ci, co, k, s, p, dilate=d, groups=groups,
+                             initialW=rng.randn(co, ci // groups, k, k)
+                             .astype(np.float32), initial_bias=0.5)
+    dist = distconv.Convolution2D(g, ci, co, k, s, p, dilate=d,
+                                  groups=groups)
+    dist.copyparams(serial)
+    compare_on_device(g, x, serial, dist,
+                      [('W', serial.W, dist.W), ('b', serial.b, dist.b)])
+
+
+@pytest.mark.parametrize('shape', GRIDS, ids=str)
+@pytest.mark.parametrize('case', cpu.MAXPOOL_CASES, ids=str)
+def test_gpu_max_pooling_2d(shape, case):
+    g = helpers.grid(shape)
+    h, w, k, s, p, cover_all = case
+    # Distinct values, as in the CPU suite (no ties in the argmax).
+    x = np.random.RandomState(3).permutation(2 * 2 * h * w).reshape(
+        2, 2, h, w).astype(np.float32)
+    compare_on_device(
+        g, x,
+        lambda v: chainer.functions.max_pooling_2d(v, k, s, p,
+                                                   cover_all=cover_all),
+        lambda v: distconv.max_pooling_2d(g, v, k, s, p,
+                                          cover_all=cover_all), [])

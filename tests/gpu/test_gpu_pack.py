@@ -1,0 +1,42 @@
+"""Halo packing on the GPU equals packing on the CPU (byte for byte)."""
+import numpy as np
+import pytest
+
+from chainermn_overlap.distconv import _pack
+from chainermn_overlap.testing import device
+from chainermn_overlap.testing import equivalence as eq
+
+DEV = device.require(eq.get_communicator().rank)
+
+import test_pack as cpu  # NOQA: E402  (tests/unit/test_pack.py)
+
+
+@pytest.mark.parametrize('method', ['slice', 'index'])
+def test_gpu_pack_unpack_equal_numpy(method):
+    xp = device.xp(DEV)
+    for case, rank, plan in cpu.PLANS:
+        x = cpu.block(plan, rank)
+        own0 = cpu.origin(plan.own)
+        boxes = [b for _, b in plan.sends]
+        want, _ = _pack.pack_regions(np, x, boxes, own0)
+        got, _ = _pack.pack_regions(xp, xp.asarray(x), boxes, own0,
+                                    method=method)
+        assert device.to_host(got).tobytes() == want.tobytes(), case
+        back = xp.zeros(x.shape, x.dtype)
+        _pack.unpack_regions(xp, got, back, boxes, own0, accumulate=True,
+                             method=method)
+        ref = _pack.unpack_regions(np, want, np.zeros_like(x), boxes, own0,
+                                   accumulate=True)
+        np.testing.assert_array_equal(device.to_host(back), ref)
+
+
+def test_gpu_pinned_staging_round_trip():
+    xp = device.xp(DEV)
+    st = _pack.PinnedStaging()
+    a = xp.arange(1000, dtype=xp.float32)
+    host = st.to_host(a)
+    assert isinstance(host, np.ndarray)
+    np.testing.assert_array_equal(host, np.arange(1000, dtype=np.float32))
+    out = xp.zeros(1000, xp.float32)
+    st.to_device(host * 2, out)
+    np.testing.assert_array_equal(device.to_host(out), host * 2)
