@@ -49,8 +49,12 @@ LABELS = {'overlap_forward': 'float32', 'overlap_forward_float16': 'float16',
 
 
 def bound(t_compute, nbytes, cost_per_byte, link_bytes_per_s, t_extra=0.0):
-    """Scalability this bed allows for ``nbytes`` per iteration; pure."""
-    busy = t_compute + nbytes * cost_per_byte + t_extra
+    """Scalability this bed allows for ``nbytes`` per iteration; pure.
+
+    A measured cost below zero (noise: moving bytes cannot speed compute
+    up) counts as zero.
+    """
+    busy = t_compute + nbytes * max(cost_per_byte, 0.0) + t_extra
     return t_compute / max(busy, nbytes / link_bytes_per_s)
 
 

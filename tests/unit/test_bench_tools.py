@@ -75,3 +75,13 @@ def test_netbed_says_plainly_when_not_root(monkeypatch, capsys):
         netbed.require_root()
     assert exc.value.code == 2
     assert 'needs root' in capsys.readouterr().err
+
+
+def test_compression_bound():
+    from benchmarks.compression_bench import bound
+    # CPU-limited: 1 s compute + 100 MB at 2 ms/MB of compute = 1.2 s.
+    assert bound(1.0, 100e6, 2e-9, 1e9) == pytest.approx(1 / 1.2)
+    # Link-limited: 100 MB at 50 MB/s = 2 s > 1.2 s.
+    assert bound(1.0, 100e6, 2e-9, 50e6) == pytest.approx(0.5)
+    # Compression compute counts; a negative (noisy) cost counts as zero.
+    assert bound(1.0, 0, -1.0, 1e9, t_extra=0.25) == pytest.approx(0.8)
