@@ -98,3 +98,27 @@ bench-spatial: venv
 	    $(PY) -m pip install -q matplotlib
 	$(PY) -m benchmarks.spatial_bench $(SPATIAL_ARGS)
 	$(PY) -m benchmarks.channel_tiling_bench $(CHANNEL_TILING_ARGS)
+
+# GPU variants of the optimizer equivalence, distconv exactness and snapshot
+# suites (tests/gpu) with model and data on $(GPU_DEVICE), at 1 and 2 ranks
+# (sharing the GPU), against CPU/numpy references.  Installs a cupy wheel
+# matching the driver's CUDA when none works (benchmarks/gpu_bench.py
+# install).  Without a GPU: one line, exit 0.  CI runs only `make test`;
+# `bash benchmarks/gpu_check.sh` runs this and the rest of the GPU checks.
+GPU_NP_LIST ?= 1 2
+GPU_DEVICE ?= @cupy:0
+GPU_TEST_TIMEOUT ?= 900
+.PHONY: test-gpu
+test-gpu: venv
+	@if ! nvidia-smi -L >/dev/null 2>&1; then \
+	    echo "test-gpu: skipped: no NVIDIA GPU here (nvidia-smi lists none)"; \
+	    exit 0; fi; \
+	set -e; out=$${OUT:-benchmarks/results}; mkdir -p $$out; \
+	$(PY) -m benchmarks.gpu_bench install --json $$out/gpu_install.json; \
+	export LD_LIBRARY_PATH="$$($(PY) -m benchmarks.gpu_bench libpath):$${LD_LIBRARY_PATH:-}"; \
+	export CHAINERMN_OVERLAP_TEST_DEVICE=$(GPU_DEVICE); \
+	for n in $(GPU_NP_LIST); do \
+	    echo "== GPU tests at $$n rank(s) on $(GPU_DEVICE) =="; \
+	    $(PY) tests/mpi_run.py -n $$n --timeout $(GPU_TEST_TIMEOUT) -- \
+	        tests/gpu -q -rs; \
+	done

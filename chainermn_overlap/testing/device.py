@@ -1,34 +1,32 @@
 """The device the GPU variants of the test suites run on.
 
-``CHAINERMN_OVERLAP_TEST_DEVICE`` names a Chainer device, e.g.
-``@cupy:0`` (several ranks may share it) or ``@cupy:rank`` (device =
-rank modulo the number of GPUs); ``@numpy`` runs the GPU suites' code on
-the CPU, which checks the tests themselves on a machine without a GPU.  Unset, the GPU tests skip with one line
-saying how to run them (``make test-gpu`` sets it when a GPU is present).
+A device spec names a Chainer device, e.g. ``@cupy:0`` (several ranks may
+share it) or ``@cupy:rank`` (device = rank modulo the number of GPUs);
+``@numpy`` runs the GPU suites' code on the CPU, which checks the tests
+themselves on a machine without a GPU.  The GPU suites read the spec from
+an environment variable (``tests/gpu/_gpu_device.py``; ``make test-gpu``
+sets it when a GPU is present) and skip with one line without it.
 
 The GPU tests (``tests/gpu/``) reuse the CPU suites' models and checks:
 they move the model and the inputs with :func:`to_device`, train, bring the
 result back with :func:`to_host`, and compare with the CPU/numpy reference.
 """
-import os
 from typing import Any, Optional, Tuple
 
 import numpy
 
 import chainer
 
-__all__ = ['ENV_VAR', 'compatibility', 'device_name', 'nccl_usable',
-           'require', 'to_device', 'to_host', 'xp']
+__all__ = ['compatibility', 'device_name', 'nccl_usable', 'require',
+           'to_device', 'to_host', 'xp']
 
-ENV_VAR = 'CHAINERMN_OVERLAP_TEST_DEVICE'
 HOW = ('GPU tests need a GPU: run `make test-gpu` (or `bash benchmarks/'
-       'gpu_check.sh`) on a machine with one, or set {}=@cupy:0'
-       .format(ENV_VAR))
+       'gpu_check.sh`) on a machine with one')
 
 
-def device_name(rank: int = 0) -> Optional[str]:
-    """The device spec of this rank, or None when the variable is unset."""
-    spec = os.environ.get(ENV_VAR, '').strip()
+def device_name(spec: Optional[str], rank: int = 0) -> Optional[str]:
+    """This rank's device for ``spec`` (None or empty: no device)."""
+    spec = (spec or '').strip()
     if not spec:
         return None
     if spec == '@cupy:rank':
@@ -69,25 +67,31 @@ def compatibility() -> Tuple[bool, str]:
                                                   cupy.__version__)
 
 
-def require(rank: int = 0) -> str:
-    """This rank's device spec; skips the calling test module without one.
+def require(spec: Optional[str], rank: int = 0,
+            how: str = HOW) -> str:
+    """This rank's device for ``spec``; skips the calling module without one.
 
     Call at module level of a GPU test file.  The skip is the same on every
     rank (it depends on the environment only), so collective tests stay
     matched.
+
+    Args:
+        spec (str): the device spec (see the module docstring), or None.
+        rank (int): this process's rank (for ``@cupy:rank``).
+        how (str): the skip message: how to run the suite.
     """
     import pytest
-    name = device_name(rank)
+    name = device_name(spec, rank)
     if name is None:
-        pytest.skip(HOW, allow_module_level=True)
+        pytest.skip(how, allow_module_level=True)
     if name == '@numpy':
         # Harness check on any machine: the GPU suites' code paths with
         # numpy "devices" (proves the tests, not the GPU).
         return name
     ok, why = compatibility()
     if not ok:
-        pytest.fail('{}={} but the GPU stack does not work: {}'.format(
-            ENV_VAR, name, why), pytrace=False)
+        pytest.fail('GPU tests asked for {} but the GPU stack does not '
+                    'work: {}'.format(name, why), pytrace=False)
     return name
 
 

@@ -14,9 +14,10 @@ import pytest
 
 from chainermn_overlap import distconv
 from chainermn_overlap.testing import device
-from chainermn_overlap.testing import equivalence as eq
 
-DEV = device.require(eq.get_communicator().rank)
+import _gpu_device  # NOQA: E402  (tests/gpu)
+
+DEV = _gpu_device.require()
 
 import distconv_mpi_helpers as helpers  # NOQA: E402
 import test_distconv_layers as cpu  # NOQA: E402

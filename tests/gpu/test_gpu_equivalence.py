@@ -17,7 +17,9 @@ from chainermn_overlap.testing import device
 from chainermn_overlap.testing import equivalence as eq
 from chainermn_overlap.testing.models import MLP
 
-DEV = device.require(eq.get_communicator().rank)
+import _gpu_device  # NOQA: E402  (tests/gpu)
+
+DEV = _gpu_device.require()
 
 import test_equivalence as cpu  # NOQA: E402  (the CPU suite's models)
 

@@ -14,9 +14,10 @@ from mpi4py import MPI
 from chainermn_overlap.communication import nccl
 from chainermn_overlap.communication import streams as streams_module
 from chainermn_overlap.testing import device
-from chainermn_overlap.testing import equivalence as eq
 
-DEV = device.require(eq.get_communicator().rank)
+import _gpu_device  # NOQA: E402  (tests/gpu)
+
+DEV = _gpu_device.require()
 WORLD = MPI.COMM_WORLD
 OK, WHY = device.nccl_usable(WORLD)
 pytestmark = pytest.mark.skipif(not OK, reason='nccl engine: ' + WHY)

@@ -4,9 +4,10 @@ import pytest
 
 from chainermn_overlap.distconv import _pack
 from chainermn_overlap.testing import device
-from chainermn_overlap.testing import equivalence as eq
 
-DEV = device.require(eq.get_communicator().rank)
+import _gpu_device  # NOQA: E402  (tests/gpu)
+
+DEV = _gpu_device.require()
 
 import test_pack as cpu  # NOQA: E402  (tests/unit/test_pack.py)
 
