@@ -225,7 +225,7 @@ def test_rounds_never_interleave_and_fifo_within_equal_priority():
 # Events
 # ---------------------------------------------------------------------------
 
-def _produce_late(streams, compute, array, value, delay=0.3):
+def _produce_late(streams, compute, array, value, delay=0.5):
     def kernel():
         time.sleep(delay)
         array[...] = value
