@@ -4,7 +4,7 @@ Run by ``bash benchmarks/gpu_check.sh`` (all steps) and ``make test-gpu``
 (``install``); each subcommand can also run on its own::
 
     python -m benchmarks.gpu_bench install  --json out.json  # cupy wheel
-    python -m benchmarks.gpu_bench libpath                  # for LD_LIBRARY_PATH
+    python -m benchmarks.gpu_bench libpath          # for LD_LIBRARY_PATH
     python -m benchmarks.gpu_bench probe    --json out.json  # one process
     mpiexec -n 2 python -m benchmarks.gpu_bench nccl-probe --json out.json
     mpiexec -n 2 python -m benchmarks.gpu_bench bench --json out.json

@@ -244,7 +244,7 @@ class CpuCollective(object):
         streams.launch(stream, run)
 
     def abort(self) -> None:
-        """Nothing can interrupt a blocking MPI call; kept for the interface."""
+        """A blocking MPI call cannot be interrupted (interface only)."""
 
     def close(self) -> None:
         try:

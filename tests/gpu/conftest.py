@@ -1,4 +1,4 @@
-"""Fixtures of the GPU suites (run by ``make test-gpu`` under tests/mpi_run.py).
+"""Fixtures of the GPU suites (``make test-gpu``, under tests/mpi_run.py).
 
 Every module calls :func:`chainermn_overlap.testing.device.require` at
 import: without ``CHAINERMN_OVERLAP_TEST_DEVICE`` the whole suite skips with

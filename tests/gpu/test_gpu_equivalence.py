@@ -9,7 +9,6 @@ Tolerances are looser than the CPU suite's: cuBLAS/cuDNN and numpy sum in
 different orders (about 1e-6 relative per step); a wrong, stale or missing
 update moves parameters by ~lr = 1e-1 and is still caught.
 """
-import chainer
 import chainer.links as L
 import pytest
 
