@@ -119,9 +119,12 @@ def cmd_install(args):
         t0 = time.time()
         attempt = {'packages': packages}
         cmd = [sys.executable, '-m', 'pip', 'install', '-q'] + packages
+        env = dict(os.environ)
+        # chainer 7.8.1 needs numpy < 2: never let a cupy wheel upgrade it.
+        env.setdefault('PIP_CONSTRAINT', os.path.join(ROOT, 'constraints.txt'))
         try:
             proc = subprocess.run(cmd, capture_output=True, text=True,
-                                  timeout=600)
+                                  timeout=600, env=env)
             attempt['pip_rc'] = proc.returncode
             attempt['pip_tail'] = (proc.stdout + proc.stderr)[-2000:]
             if proc.returncode == 0:
@@ -232,6 +235,11 @@ def cmd_probe(args):
             if max(e) > 1e-3:
                 raise AssertionError('conv with use_cudnn={} differs from '
                                      'numpy: max errors {}'.format(use, e))
+        if not cuda.cudnn_enabled:
+            raise RuntimeError(
+                'the convolution matches numpy, but without cuDNN (chainer '
+                'sees no cuDNN: install nvidia-cudnn-cu12 8.x and put its lib '
+                'folder on LD_LIBRARY_PATH); max errors {}'.format(errs))
         return {'max_abs_error_vs_numpy(y, gx, gW)': errs,
                 'cudnn_enabled': bool(cuda.cudnn_enabled)}
 
