@@ -9,6 +9,7 @@ import numpy
 import chainer
 import chainermn
 
+from chainermn_overlap import _mpi_json
 from chainermn_overlap import config
 from chainermn_overlap.communication import backends
 
@@ -146,6 +147,31 @@ def check_watch_options(timeout, stall_warning, debug):
     config.resolve_stall_warning(stall_warning)
     return {'timeout': timeout, 'stall_warning': stall_warning,
             'debug': debug}
+
+
+def default_engine(target, mpi_comm):
+    """``'nccl'`` for GPU parameters where NCCL can serve, else MPI.
+
+    Collective over ``mpi_comm`` only for GPU parameters (whether ranks
+    share a device, which NCCL refuses, is agreed by an allgather).
+    """
+    from chainermn_overlap.communication import nccl, streams
+    arrays = [p.array for p in target.params() if p.array is not None]
+    xp = (chainer.backend.get_array_module(arrays[0]) if arrays
+          else numpy)
+    if xp is numpy:
+        return nccl.default_backend(xp, False)
+    available = streams.nccl_available()
+    bus = None
+    if available:
+        import cupy
+        bus = cupy.cuda.Device().pci_bus_id
+    # JSON, never pickle, from peers.
+    every = _mpi_json.allgather_json(mpi_comm, {'nccl': available,
+                                                'bus': bus})
+    buses = [e['bus'] for e in every]
+    return nccl.default_backend(xp, all(e['nccl'] for e in every),
+                                len(set(buses)) < len(buses))
 
 
 def make_engine(name, mpi_comm, options, watch_options):

@@ -117,6 +117,9 @@ class _OverlapState(object):
 
     def attach(self, target):
         if self.engine is None:
+            if self.backend_name is None:
+                self.backend_name = _wrapper.default_engine(target,
+                                                            self.mpi_comm)
             self.engine = _wrapper.make_engine(
                 self.backend_name, self.mpi_comm, self.backend_options,
                 self.watch_options)
@@ -372,7 +375,7 @@ def create_overlapped_optimizer(
         actual_optimizer: chainer.Optimizer, communicator: Any,
         wait: str = 'forward', bucket_size: Union[int, str, None] = None,
         zero_fill: bool = True, allreduce_grad_dtype: Any = None,
-        backend: str = 'mpi_priority',
+        backend: Optional[str] = None,
         chunk_size: Union[int, str, None] = None,
         timeline: Optional[str] = None,
         timeout: Union[float, str, None] = None,
@@ -410,11 +413,14 @@ def create_overlapped_optimizer(
             parameters' dtype).  Default: the parameter's dtype (float32 for
             float16 parameters).
         backend (str): communication engine, run by a communication thread
-            on a duplicated communicator: ``'mpi_priority'`` (default)
-            slices buckets into chunks and runs first what is needed first
-            (with ``wait='forward'``, the first layers' gradients), in an
-            order all ranks agree on; ``'mpi_thread'`` reduces buckets
-            first-in-first-out.
+            on a duplicated communicator: ``'mpi_priority'`` (the default
+            for CPU parameters) slices buckets into chunks and runs first
+            what is needed first (with ``wait='forward'``, the first
+            layers' gradients), in an order all ranks agree on;
+            ``'mpi_thread'`` reduces buckets first-in-first-out; ``'nccl'``
+            (the default for GPU parameters when NCCL can be used, one GPU
+            per rank) reduces on a CUDA side stream ordered by events
+            (never run on a GPU yet: see docs/gpu.md).
         timeline (str): if given, a Chrome-trace/Perfetto JSON per rank is
             written there (``{rank}`` in the path is replaced by the rank,
             else ``.rank<r>`` is inserted): forward per link, waits,
@@ -455,12 +461,13 @@ def create_overlapped_optimizer(
                    else config.parse_size(bucket_size))
     allreduce_grad_dtype = _wrapper.check_wire_dtype(allreduce_grad_dtype)
     _wrapper.check_compression(compression, allreduce_grad_dtype)
-    backends.get_backend(backend)
+    if backend is not None:
+        backends.get_backend(backend)
     backend_options = {}
     if chunk_size is not None:
-        if backend != 'mpi_priority':
+        if backend not in (None, 'mpi_priority', 'nccl'):
             raise ValueError("chunk_size applies to backend='mpi_priority' "
-                             'only, not {!r}'.format(backend))
+                             "and 'nccl' only, not {!r}".format(backend))
         backend_options['chunk_bytes'] = config.parse_size(chunk_size)
     watch_options = _wrapper.check_watch_options(timeout, stall_warning,
                                                  debug)

@@ -60,3 +60,19 @@ def test_backends_and_sizes_agree(comm, backend, bucket_size, chunk):
                       chunk_size=chunk))
     for n in ref:
         np.testing.assert_allclose(got[n], ref[n], rtol=1e-5, atol=1e-6)
+
+
+def test_default_engine_on_cpu_is_the_priority_engine(comm):
+    # backend=None picks the engine from where the parameters live:
+    # host-staged MPI for numpy ('nccl' only for GPU parameters).
+    opt = chainermn_overlap.create_overlapped_optimizer(
+        chainer.optimizers.SGD(), comm).setup(_mlp())
+    try:
+        assert opt._overlap.backend_name == 'mpi_priority'
+        assert type(opt._overlap.engine).__name__ == 'PriorityMpiBackend'
+    finally:
+        opt.close()
+    with pytest.raises(ValueError, match="chunk_size applies"):
+        chainermn_overlap.create_overlapped_optimizer(
+            chainer.optimizers.SGD(), comm, backend='mpi_thread',
+            chunk_size='1MB')
