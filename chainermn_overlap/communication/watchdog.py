@@ -22,6 +22,7 @@ wrong:
 Everything exchanged is numbers or JSON text: nothing from a peer is ever
 unpickled.
 """
+import gc
 import json
 import os
 import sys
@@ -166,7 +167,18 @@ _REPLY_BYTES = 2048
 
 def main_thread_location(depth: int = 3) -> str:
     """``file:line in function`` of the main thread's innermost frames."""
-    frame = sys._current_frames().get(threading.main_thread().ident)
+    # sys._current_frames() holds the interpreter's thread-list lock while
+    # it creates frame objects; a garbage collection triggered there can
+    # finalise an object that needs the same lock, and the process hangs
+    # (seen when another thread polls this every few ms).  No collection
+    # during the call.
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        frame = sys._current_frames().get(threading.main_thread().ident)
+    finally:
+        if collecting:
+            gc.enable()
     if frame is None:
         return 'unknown'
     frames = traceback.extract_stack(frame)[-depth:]
