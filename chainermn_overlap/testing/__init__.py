@@ -1,5 +1,5 @@
 """Helpers for the library's tests: the equivalence harness of the MPI
-tests (:mod:`.equivalence`) and the small models they share
-(:mod:`.models`)."""
+tests (:mod:`.equivalence`), the small models they share (:mod:`.models`)
+and the device the GPU variants run on (:mod:`.device`)."""
 
-__all__ = ['equivalence', 'models']
+__all__ = ['device', 'equivalence', 'models']

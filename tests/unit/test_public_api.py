@@ -13,6 +13,7 @@ PUBLIC_MODULES = [
     'chainermn_overlap',
     'chainermn_overlap.errors',
     'chainermn_overlap.testing',
+    'chainermn_overlap.testing.device',
     'chainermn_overlap.testing.equivalence',
     'chainermn_overlap.testing.models',
     'chainermn_overlap.distconv',
