@@ -58,7 +58,26 @@ def bound(t_compute, nbytes, cost_per_byte, link_bytes_per_s, t_extra=0.0):
     return t_compute / max(busy, nbytes / link_bytes_per_s)
 
 
-def analyse(run, t_compute, grad_bytes, cost, link_bytes_per_s):
+def wire_bytes(mode, model_name, grad_bytes):
+    """Gradient bytes each rank reduces per iteration in ``mode``.
+
+    Computed from the model (the optimizers' own counters also count, with
+    ``wait='forward'``, the buckets of the warm-up iteration waited for in
+    the first timed one).
+    """
+    if mode.endswith('float16'):
+        return grad_bytes / 2.0
+    if 'powersgd' in mode:
+        from benchmarks import workloads
+        from chainermn_overlap import PowerSGD
+        shapes = [p.shape for p in
+                  workloads.build_model(model_name).params()]
+        rank = int(mode.rsplit('powersgd', 1)[1])
+        return PowerSGD(rank=rank).wire_elements(shapes) * 4.0
+    return float(grad_bytes)
+
+
+def analyse(run, t_compute, grad_bytes, cost, link_bytes_per_s, model):
     """Adds bytes per iteration, the bound and its fraction to each mode."""
     rows = {}
     for mode, s in run['modes'].items():
@@ -66,8 +85,9 @@ def analyse(run, t_compute, grad_bytes, cost, link_bytes_per_s):
             continue
         stats = s.get('communication_stats') or {}
         iters = s['iterations']
-        nbytes = (stats['bytes'] / iters if stats.get('bytes')
-                  else grad_bytes)
+        nbytes = wire_bytes(mode, model, grad_bytes)
+        # CPU seconds of the compression (its thread's time), per timed
+        # iteration (the counter is reset when timing starts).
         t_z = stats.get('compression_seconds', 0.0) / iters
         b = bound(t_compute, nbytes, cost, link_bytes_per_s, t_z)
         rows[mode] = {'label': LABELS[mode],
@@ -113,8 +133,8 @@ def main(argv=None):
     p.add_argument('--model', default='resnet50',
                    choices=('resnet50', 'resnet_small'))
     p.add_argument('--batch', type=int, default=4)
-    p.add_argument('--insize', type=int, default=112)
-    p.add_argument('--iterations', type=int, default=6)
+    p.add_argument('--insize', type=int, default=224)
+    p.add_argument('--iterations', type=int, default=4)
     p.add_argument('--warmup', type=int, default=2)
     p.add_argument('--rounds', type=int, default=2)
     p.add_argument('--rate', default=None,
@@ -164,7 +184,7 @@ def main(argv=None):
         # The slow link moves bytes slower; its cost per byte in compute is
         # the kernel's and the copies', the same as at the calibrated rate.
         rows = analyse(run, t_compute, grad_bytes, cost,
-                       link_bps * r / rate)
+                       link_bps * r / rate, args.model)
         result['links'][name] = {'rate_bit_per_s': r, 'rows': rows,
                                  'run': run}
         for m, row in rows.items():

@@ -90,6 +90,9 @@ class PowerSGD(object):
         self.iterations = 0    # updates completed (exact or compressed)
         self.errors = {}       # parameter name -> error feedback (n x m)
         self.qs = {}           # parameter name -> warm-start Q (m x r)
+        # CPU seconds of the compression's own arithmetic (thread time:
+        # on a core shared with training, wall time would count the other
+        # thread's slices too).
         self.compute_seconds = 0.0
 
     def __repr__(self):
@@ -168,7 +171,7 @@ class PowerSGD(object):
         """
 
         from mpi4py import MPI
-        t0 = time.perf_counter()
+        t0 = time.thread_time()
         size = comm.Get_size()
         buf = bucket.buffer
         xp = chainer.backend.get_array_module(buf)
@@ -205,9 +208,9 @@ class PowerSGD(object):
             s = bucket.slot(i)
             first[off:off + s.size] = s
             off += s.size
-        self.compute_seconds += time.perf_counter() - t0
+        self.compute_seconds += time.thread_time() - t0
         comm.Allreduce(MPI.IN_PLACE, _host(first), op=MPI.SUM)
-        t1 = time.perf_counter()
+        t1 = time.thread_time()
         off = p_elems
         scale = dtype.type(1.0 / size)
         for i, _, _ in exact:
@@ -224,10 +227,10 @@ class PowerSGD(object):
             xp.matmul(mat.T, p, out=qn)
             qs.append(qn)
             off += q.size
-        self.compute_seconds += time.perf_counter() - t1
+        self.compute_seconds += time.thread_time() - t1
         if q_elems:
             comm.Allreduce(MPI.IN_PLACE, _host(second), op=MPI.SUM)
-        t2 = time.perf_counter()
+        t2 = time.thread_time()
         for (name, mat, _), p, qn in zip(mats, ps, qs):
             qn *= scale
             approx = xp.matmul(p, qn.T)
@@ -237,7 +240,7 @@ class PowerSGD(object):
             xp.subtract(mat, approx, out=err)
             mat[...] = approx
             self.qs[name] = qn.copy()
-        self.compute_seconds += time.perf_counter() - t2
+        self.compute_seconds += time.thread_time() - t2
         return (p_elems + exact_elems + q_elems) * dtype.itemsize
 
 
