@@ -73,10 +73,11 @@ RESULT_TAG = 'OVERLAP_BENCH_RESULT '
 def _powersgd(rank):
     def options():
         import chainermn_overlap
-        # Warm-up covers the warm-up iterations of the benchmark only: the
-        # timed iterations are compressed.
+        # Compressed from the first update after the broadcast: an exact
+        # warm-up update's reduction would spill into the first timed
+        # iteration (with wait='forward' it is waited for there).
         return {'compression': chainermn_overlap.PowerSGD(
-            rank=rank, warmup_iterations=1)}
+            rank=rank, warmup_iterations=0)}
     return options
 
 
