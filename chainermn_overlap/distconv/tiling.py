@@ -277,7 +277,6 @@ def _conv_step(grid, W, b, stride, pad, dilate, cover_all, groups, split,
 
 
 def _pool_step(grid, kind, ksize, stride, pad, cover_all, pad_value, name):
-    nd = grid.ndim
     layer = 'distconv.Tiled (%s)' % name
     ksize, stride, pad = functions._pool_args(grid, layer, ksize, stride, pad)
     if kind == 'max':

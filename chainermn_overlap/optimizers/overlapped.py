@@ -48,7 +48,6 @@ from chainermn_overlap.optimizers._layout import SKIP
 from chainermn_overlap.optimizers._layout import UNCHANGED
 from chainermn_overlap.optimizers._policy import UpdatePolicy
 from chainermn_overlap.optimizers._reducer import BucketReducer
-from chainermn_overlap.optimizers._reducer import CommunicationStats  # NOQA
 from chainermn_overlap.optimizers._tracker import GradientTracker
 
 
