@@ -259,7 +259,8 @@ class Engine(object):
             getattr(fn, '__name__', 'collective'), array.size)
         return self._post(fn, array, label, slot, priority, stage, nbytes)
 
-    def _post(self, op, array, label, slot, priority, stage, nbytes):
+    def _check_can_post(self, label):
+        """Raises if this engine takes no more posts (closed or stuck)."""
         if self._closed:
             raise RuntimeError(
                 'rank {}: cannot post {}: the {} communication backend was '
@@ -269,6 +270,9 @@ class Engine(object):
             raise CommunicationError(
                 'rank {}: cannot post {}: an earlier collective is stuck '
                 '({})'.format(self.rank, label, self.stuck))
+
+    def _post(self, op, array, label, slot, priority, stage, nbytes):
+        self._check_can_post(label)
         host, finish = stage_to_host(array) if stage else (array, None)
         handle = self.new_handle(
             label, finish, nbytes=array.nbytes if nbytes is None else nbytes)

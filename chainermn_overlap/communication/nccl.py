@@ -183,15 +183,7 @@ class NcclEngine(PriorityMpiBackend):
     # -- posting (caller's thread) ---------------------------------------
 
     def _post(self, op, array, label, slot, priority, stage, nbytes):
-        if self._closed:
-            raise RuntimeError(
-                'rank {}: cannot post {}: the {} communication backend was '
-                'closed; post to a new one'.format(self.rank, label,
-                                                   self.name))
-        if self.stuck is not None:
-            raise CommunicationError(
-                'rank {}: cannot post {}: an earlier collective is stuck '
-                '({})'.format(self.rank, label, self.stuck))
+        self._check_can_post(label)
         custom = callable(op)
         xp = chainer.backend.get_array_module(array)
         if not custom and xp is not self.streams.xp:
