@@ -52,7 +52,7 @@ import time
 if not __package__:
     sys.path.insert(0, os.path.abspath(os.path.join(__file__, '..', '..')))
 
-from benchmarks import launch  # noqa: E402
+from benchmarks import launch, spatial_bench  # noqa: E402
 
 RESULT_TAG = 'RESULT '
 MODULE = 'benchmarks.channel_tiling_bench'
@@ -92,22 +92,6 @@ def _loss(model, x):
     return F.sum(model(x))
 
 
-def _memory(model, x):
-    """(peak bytes during a step, bytes held after forward) by numpy."""
-    import tracemalloc
-    tracemalloc.start()
-    tracemalloc.reset_peak()
-    base = tracemalloc.get_traced_memory()[0]
-    loss = _loss(model, x)
-    held = tracemalloc.get_traced_memory()[0] - base
-    model.cleargrads()
-    loss.backward()
-    peak = tracemalloc.get_traced_memory()[1] - base
-    del loss
-    tracemalloc.stop()
-    return peak, held
-
-
 def late_worker(cfg):
     import chainermn
     import numpy as np
@@ -133,7 +117,8 @@ def late_worker(cfg):
     out = {'processes': comm.size, 'settings': {}}
     for name in names:
         g, model, x = models[name]
-        peak, held = _memory(model, x)
+        peak, held = spatial_bench.step_memory(
+            model, lambda: _loss(model, x))
         wbytes = sum(p.array.nbytes for p in model.params())
         per_rank = comm.mpi_comm.allgather([peak, held, wbytes])
         out['settings'][name] = {

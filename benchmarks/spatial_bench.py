@@ -103,12 +103,15 @@ def _step(model, x):
     loss.backward()
 
 
-def _memory(model, x):
-    """(peak bytes during a step, bytes held after forward) by numpy."""
+def step_memory(model, lossfun):
+    """(peak bytes during a step, bytes held after forward) by numpy.
+
+    ``lossfun()`` runs the forward and returns the loss; then backward.
+    """
     tracemalloc.start()
     tracemalloc.reset_peak()
     base = tracemalloc.get_traced_memory()[0]
-    loss = model(x)
+    loss = lossfun()
     held = tracemalloc.get_traced_memory()[0] - base
     model.cleargrads()
     loss.backward()
@@ -418,11 +421,11 @@ def worker(args):
         if comm.rank == 0:
             launch.emit_result(RESULT_TAG, out)
         return
-    peak, held = _memory(dist, x_local)
+    peak, held = step_memory(dist, lambda: dist(x_local))
     peaks = mpi.gather(peak)
     helds = mpi.gather(held)
     if comm.rank == 0:
-        s_peak, s_held = _memory(serial, x_glob)
+        s_peak, s_held = step_memory(serial, lambda: serial(x_glob))
         out['memory'] = {
             'serial_peak_bytes': s_peak, 'serial_held_after_forward': s_held,
             'max_peak_bytes_per_process': max(peaks),

@@ -19,7 +19,8 @@ import chainer
 import chainer.functions as F
 import chainer.links as L
 
-__all__ = ['MLP', 'Deep', 'sum_of_squares', 'sum_of_tanh']
+__all__ = ['MLP', 'Deep', 'InjectInBackward', 'sum_of_squares',
+           'sum_of_tanh']
 
 Activation = Callable[[chainer.Variable], chainer.Variable]
 
@@ -103,3 +104,20 @@ class Deep(chainer.ChainList):
         for link in self:
             x = F.relu(link(x))
         return self.loss(x)
+
+
+class InjectInBackward(chainer.FunctionNode):
+    """Identity whose backward calls ``action()`` (a fault mid-backward).
+
+    For fault tests: ``h = InjectInBackward(action).apply((h,))[0]``.
+    """
+
+    def __init__(self, action: Callable[[], None]) -> None:
+        self.action = action
+
+    def forward(self, inputs):
+        return inputs
+
+    def backward(self, indexes, grad_outputs):
+        self.action()
+        return grad_outputs

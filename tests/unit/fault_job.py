@@ -32,20 +32,6 @@ import chainermn_overlap
 from chainermn_overlap.testing import models
 
 
-class _Fault(chainer.FunctionNode):
-    """Identity whose backward injects the fault (runs mid-backward)."""
-
-    def __init__(self, action):
-        self.action = action
-
-    def forward(self, inputs):
-        return inputs
-
-    def backward(self, indexes, grad_outputs):
-        self.action()
-        return grad_outputs
-
-
 class MLP(models.MLP):
     """The shared MLP (16-32-32-4, ReLU) with a fault between l1 and l2."""
 
@@ -62,7 +48,7 @@ class MLP(models.MLP):
             else:
                 # Between l2's and l1's backward: l3's and l2's buckets are
                 # posted when the fault fires.
-                h = _Fault(action).apply((h,))[0]
+                h = models.InjectInBackward(action).apply((h,))[0]
         h = F.relu(self.l2(h))
         return self.l3(h)
 

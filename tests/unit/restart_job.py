@@ -52,23 +52,12 @@ import chainermn
 
 import chainermn_overlap
 import chainermn_overlap.extensions as ext_module
+from chainermn_overlap.testing import models
 
 
 def say(msg):
     sys.stdout.write('restart_job: {}\n'.format(msg))
     sys.stdout.flush()
-
-
-class _Fault(chainer.FunctionNode):
-    def __init__(self, action):
-        self.action = action
-
-    def forward(self, inputs):
-        return inputs
-
-    def backward(self, indexes, grad_outputs):
-        self.action()
-        return grad_outputs
 
 
 class MLP(chainer.Chain):
@@ -193,7 +182,7 @@ def main():
             def action():
                 announce('kill', current_iteration())
                 kill_self()
-            h = _Fault(action).apply((h,))[0]
+            h = models.InjectInBackward(action).apply((h,))[0]
         return h
 
     if snap is not None:
