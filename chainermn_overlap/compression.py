@@ -35,19 +35,14 @@ import numpy
 
 import chainer
 
+from chainermn_overlap import _kernels
+
 __all__ = ['PowerSGD', 'orthogonalize']
 
 
 def orthogonalize(p, eps=1e-8):
     """Gram-Schmidt on the columns of ``p`` (n x r), in place."""
-    xp = chainer.backend.get_array_module(p)
-    for i in range(p.shape[1]):
-        col = p[:, i:i + 1]
-        col /= xp.sqrt((col * col).sum()) + eps
-        if i + 1 < p.shape[1]:
-            rest = p[:, i + 1:]
-            rest -= col * (col * rest).sum(axis=0, keepdims=True)
-    return p
+    return _kernels.orthogonalize(p, eps)
 
 
 def matrix_shape(shape):
@@ -187,9 +182,6 @@ class PowerSGD(object):
             n, m = matrix_shape(shape)
             r = min(self.rank, n, m)
             mat = bucket.slot(i).reshape(n, m)
-            err = self.errors.get(name)
-            if err is not None:
-                mat += xp.asarray(err)
             q = self.qs.get(name)
             q = (self.initial_q(name, m, r, xp, dtype) if q is None
                  else xp.asarray(q))
@@ -201,7 +193,9 @@ class PowerSGD(object):
         for name, mat, q in mats:
             p = first[off:off + mat.shape[0] * q.shape[1]].reshape(
                 mat.shape[0], q.shape[1])
-            xp.matmul(mat, q, out=p)
+            # Error feedback and the projection, in one pass over mat
+            # where the fused kernel runs.
+            _kernels.ef_project(mat, self.errors.get(name), q, p)
             ps.append(p)
             off += p.size
         for i, _, _ in exact:
@@ -217,29 +211,27 @@ class PowerSGD(object):
             s = bucket.slot(i)
             xp.multiply(first[off:off + s.size], scale, out=s)
             off += s.size
-        # Second allreduce: Q = M^T P with P orthogonalised.
+        # Second allreduce: Q = M^T P with P orthogonalised (sent as Q^T,
+        # r x m: the one-pass kernel's layout).
         q_elems = sum(q.size for _, _, q in mats)
         second = xp.empty(q_elems, dtype=dtype)
-        qs, off = [], 0
+        qts, off = [], 0
         for (name, mat, q), p in zip(mats, ps):
             orthogonalize(p)
-            qn = second[off:off + q.size].reshape(q.shape)
-            xp.matmul(mat.T, p, out=qn)
-            qs.append(qn)
+            qt = second[off:off + q.size].reshape(q.shape[1], q.shape[0])
+            _kernels.project_t(mat, p, qt)
+            qts.append(qt)
             off += q.size
         self.compute_seconds += time.thread_time() - t1
         if q_elems:
             comm.Allreduce(MPI.IN_PLACE, _host(second), op=MPI.SUM)
         t2 = time.thread_time()
-        for (name, mat, _), p, qn in zip(mats, ps, qs):
-            qn *= scale
-            approx = xp.matmul(p, qn.T)
-            err = self.errors.get(name)
-            if err is None or chainer.backend.get_array_module(err) is not xp:
-                err = self.errors[name] = xp.empty_like(mat)
-            xp.subtract(mat, approx, out=err)
-            mat[...] = approx
-            self.qs[name] = qn.copy()
+        for (name, mat, _), p, qt in zip(mats, ps, qts):
+            qt *= scale
+            # mat becomes P Q^T, the error what it leaves out.
+            self.errors[name] = _kernels.reconstruct(
+                mat, self.errors.get(name), p, qt)
+            self.qs[name] = qt.T.copy()
         self.compute_seconds += time.thread_time() - t2
         return (p_elems + exact_elems + q_elems) * dtype.itemsize
 

@@ -41,6 +41,11 @@ inspector) must agree between ranks.
 ``CHAINERMN_OVERLAP_LAUNCH_DEATHS`` (:data:`LAUNCH_DEATHS_ENV`)
     Set by the launcher for its per-rank parent processes: a file where
     each records how its rank ended when it ended abnormally.
+``CHAINERMN_OVERLAP_NATIVE`` (:data:`NATIVE_ENV`)
+    ``0``: do not use the fused C kernels (float16 conversion, PowerSGD)
+    even where they were built; numpy does the same arithmetic.  Default
+    on.  The float16 results are bit-identical either way; PowerSGD's sums
+    are rounded in another order, so give every rank the same setting.
 ``CHAINERMN_OVERLAP_TEST_OPTIMIZER`` (:data:`TEST_OPTIMIZER_ENV`)
     Test suite only (:mod:`chainermn_overlap.testing.equivalence`): the
     optimizer under test, ``overlap`` (default) or ``chainermn`` (validates
@@ -60,12 +65,13 @@ from typing import Any, Dict, Optional, Union
 __all__ = [
     'ABORT_ON_EXCEPTION_ENV', 'DEBUG_ENV', 'DEFAULT_TIMEOUT',
     'EMULATION_DEFAULTS', 'EMULATION_ENV', 'ENVIRONMENT_VARIABLES',
-    'LAUNCH_DEATHS_ENV', 'PROGRESS_FILE_ENV', 'RESTART_ENV',
+    'LAUNCH_DEATHS_ENV', 'NATIVE_ENV', 'PROGRESS_FILE_ENV', 'RESTART_ENV',
     'STALL_WARNING_ENV', 'TEST_LOGDIR_ENV', 'TEST_OPTIMIZER_ENV',
     'TIMEOUT_ENV', 'parse_delay', 'parse_duration',
     'parse_emulation_settings', 'parse_flag', 'parse_rate', 'parse_seconds',
     'parse_size', 'resolve_abort_on_exception', 'resolve_debug',
-    'resolve_emulation', 'resolve_stall_warning', 'resolve_timeout',
+    'resolve_emulation', 'resolve_native', 'resolve_stall_warning',
+    'resolve_timeout',
 ]
 
 Number = Union[int, float]
@@ -78,12 +84,13 @@ ABORT_ON_EXCEPTION_ENV = 'CHAINERMN_OVERLAP_ABORT_ON_EXCEPTION'
 RESTART_ENV = 'CHAINERMN_OVERLAP_RESTART'
 PROGRESS_FILE_ENV = 'CHAINERMN_OVERLAP_PROGRESS_FILE'
 LAUNCH_DEATHS_ENV = 'CHAINERMN_OVERLAP_LAUNCH_DEATHS'
+NATIVE_ENV = 'CHAINERMN_OVERLAP_NATIVE'
 TEST_OPTIMIZER_ENV = 'CHAINERMN_OVERLAP_TEST_OPTIMIZER'
 TEST_LOGDIR_ENV = 'CHAINERMN_OVERLAP_LOGDIR'
 ENVIRONMENT_VARIABLES = (
     TIMEOUT_ENV, STALL_WARNING_ENV, DEBUG_ENV, EMULATION_ENV,
     ABORT_ON_EXCEPTION_ENV, RESTART_ENV, PROGRESS_FILE_ENV,
-    LAUNCH_DEATHS_ENV, TEST_OPTIMIZER_ENV, TEST_LOGDIR_ENV)
+    LAUNCH_DEATHS_ENV, NATIVE_ENV, TEST_OPTIMIZER_ENV, TEST_LOGDIR_ENV)
 
 # Like PyTorch's NCCL watchdog: generous enough for a slow first iteration
 # or a snapshot written by one rank, short enough not to bill hours.
@@ -319,6 +326,12 @@ def resolve_emulation(nodes: Optional[int] = None,
         if value is not None:
             settings[key] = value
     return settings
+
+
+def resolve_native() -> bool:
+    """Whether the fused C kernels may be used (on unless set to 0)."""
+    value = os.environ.get(NATIVE_ENV)
+    return value is None or parse_flag(value)
 
 
 def resolve_abort_on_exception() -> bool:

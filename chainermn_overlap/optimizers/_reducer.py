@@ -17,6 +17,7 @@ import numpy
 
 import chainer
 
+from chainermn_overlap import _kernels
 from chainermn_overlap.communication import ring
 
 
@@ -186,10 +187,15 @@ class BucketReducer(object):
         self.first_item = 1 if control else 0
         self.buckets = []
         self.next_post = 0
+        self._scratch = {}
+        self._largest = 0
 
     def set_buckets(self, buckets):
         self.buckets = buckets
         self.next_post = 0
+        self._scratch = {}
+        self._largest = max((e[2] for b in buckets for e in b.plan.entries),
+                            default=0)
 
     @property
     def all_posted(self):
@@ -208,7 +214,8 @@ class BucketReducer(object):
         if grad is None:
             slot.fill(0)
         else:
-            slot[...] = grad.reshape(-1)
+            # The cast to a narrow wire dtype is fused into the copy.
+            _kernels.copy_cast(slot, grad.reshape(-1))
         info.packed = grad
         info.ready = True
         bucket.n_ready += 1
@@ -270,13 +277,27 @@ class BucketReducer(object):
                 a, b, tid=tl.COMM,
                 args={'label': handle.label, 'bytes': handle.nbytes})
 
-    @staticmethod
-    def mean_grad(info):
-        """The parameter's mean gradient (a view of the bucket if possible)."""
-        g = info.bucket.slot(info.index).reshape(info.param.shape)
-        if g.dtype != info.param.dtype:
-            g = g.astype(info.param.dtype)
-        return g
+    def mean_grad(self, info):
+        """The parameter's mean gradient (a view of the bucket if possible).
+
+        With a narrow wire dtype the gradient is cast into scratch memory
+        that the next call reuses: use it (run the update rule) before
+        asking for the next one.
+        """
+        g = info.bucket.slot(info.index)
+        param = info.param
+        if g.dtype == param.dtype:
+            return g.reshape(param.shape)
+        xp = chainer.backend.get_array_module(g)
+        key = (xp, numpy.dtype(param.dtype))
+        scratch = self._scratch.get(key)
+        if scratch is None or scratch.size < g.size:
+            scratch = self._scratch[key] = xp.empty(
+                max(g.size, self._largest),
+                dtype=param.dtype)
+        out = scratch[:g.size]
+        _kernels.copy_cast(out, g)
+        return out.reshape(param.shape)
 
     def mean_grads_to_params(self, infos):
         """Waits for every bucket; puts the mean gradients in param.grad.
@@ -287,13 +308,14 @@ class BucketReducer(object):
         for bucket in self.buckets:
             self.wait_bucket(bucket)
         for info in infos:
-            g = self.mean_grad(info)
             cur = info.param.grad
-            if (cur is not None and cur.shape == g.shape
-                    and cur.dtype == g.dtype):
-                cur[...] = g
+            if (cur is not None and cur.shape == info.param.shape
+                    and cur.dtype == info.param.dtype
+                    and cur.flags.c_contiguous):
+                _kernels.copy_cast(cur.reshape(-1),
+                                   info.bucket.slot(info.index))
             else:
-                info.param.grad = g.copy()
+                info.param.grad = self.mean_grad(info).copy()
         for bucket in self.buckets:
             bucket.handle = None
 
