@@ -18,7 +18,8 @@ TEST_TIMEOUT ?= 1200
 
 venv: $(STAMP)
 
-$(STAMP): requirements.txt requirements-test.txt constraints.txt setup.py
+$(STAMP): requirements.txt requirements-test.txt constraints.txt setup.py \
+		chainermn_overlap/_native.c
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q -r requirements.txt -r requirements-test.txt
 	$(PY) -m pip install -q --no-deps -e .

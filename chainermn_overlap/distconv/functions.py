@@ -208,7 +208,8 @@ def convolution_nd(grid: SpatialGrid, x: Input, W: Input,
                    pad: IntOrTuple = 0, cover_all: bool = False,
                    dilate: IntOrTuple = 1, groups: int = 1,
                    _layer: Optional[str] = None, split: str = 'spatial',
-                   _totals: Optional[tuple] = None) -> chainer.Variable:
+                   _totals: Optional[tuple] = None,
+                   split_output: bool = False) -> chainer.Variable:
     """Spatially distributed N-dimensional convolution.
 
     Mirrors :func:`chainer.functions.convolution_nd` with the grid first.
@@ -235,10 +236,20 @@ def convolution_nd(grid: SpatialGrid, x: Input, W: Input,
             ``'channel'`` (input channels split, output whole: partial sums
             reduced over the channel axis). Spatial blocks and halos work
             the same in all three.
+        split_output (bool): Only with ``split='channel'``: reduce-scatter
+            the partial sums instead of allreducing them and return this
+            process's block of the output channels
+            (:meth:`SpatialGrid.channel_range` of ``C_out``), as a
+            ``'filter'`` layer would (b, held whole, is added on that
+            block). Half the traffic of the allreduce, and whatever follows
+            (batch normalisation with ``channel_split=True``, element-wise
+            functions) runs on the block instead of on a whole copy per
+            channel coordinate; :func:`gather_channels` makes it whole
+            again where a ``'filter'`` layer needs it.
 
     Returns:
         chainer.Variable: This process's block of the output (its block of
-        the output channels with ``'filter'``).
+        the output channels with ``'filter'`` or ``split_output``).
 
     Raises:
         ValueError: On a bad layout or arguments (on every process).
@@ -247,6 +258,11 @@ def convolution_nd(grid: SpatialGrid, x: Input, W: Input,
     if split not in _SPLITS:
         raise ValueError("%s: split must be 'spatial', 'filter' or "
                          "'channel', got %r" % (layer, split))
+    split_output = bool(split_output)
+    if split_output and split != 'channel':
+        raise ValueError("%s: split_output=True needs split='channel' (got "
+                         "split=%r): only partial sums over input channel "
+                         "blocks can be reduce-scattered." % (layer, split))
     x = chainer.as_variable(x)
     W = chainer.as_variable(W)
     if split == 'spatial':
@@ -258,7 +274,7 @@ def convolution_nd(grid: SpatialGrid, x: Input, W: Input,
     else:
         wsig, bsig = (_totals, _shape_of(W)[:1] + _shape_of(W)[2:]), \
             _shape_of(b)
-    sig = (layer, split, wsig, bsig, repr(stride), repr(pad),
+    sig = (layer, split, split_output, wsig, bsig, repr(stride), repr(pad),
            bool(cover_all), repr(dilate), repr(groups))
     layout = grid.check_spatial(x, layer, sig,
                                 channel_split=(split == 'channel'))
@@ -312,9 +328,27 @@ def convolution_nd(grid: SpatialGrid, x: Input, W: Input,
     y = _window_apply(grid, x, layer, layout, ksize, stride, pad, dilate,
                       cover_all, 0, op, c_out, params)
     if reduce_channels:
-        y = channels_mod.ChannelAllreduce(grid).apply((y,))[0]
+        y = _reduce_partial_sums(grid, y, b, c_out, split_output)
+    return y
+
+
+def _reduce_partial_sums(grid, y, b, c_out, split_output):
+    """Sums a ``split='channel'`` layer's partial sums over the channel axis.
+
+    The whole output everywhere (allreduce) or, with ``split_output``, this
+    coordinate's block of its channels (reduce-scatter, the adjoint of
+    :func:`gather_channels`); the bias, held whole, is added once after
+    the reduction (on the block with ``split_output``).
+    """
+    if split_output:
+        y = channels_mod.ChannelBlockOfSum(grid, c_out).apply((y,))[0]
         if b is not None:
-            y = F.bias(y, b, axis=1)
+            lo, hi = grid.channel_range(c_out)
+            y = F.bias(y, b[lo:hi], axis=1)
+        return y
+    y = channels_mod.ChannelAllreduce(grid).apply((y,))[0]
+    if b is not None:
+        y = F.bias(y, b, axis=1)
     return y
 
 
@@ -323,12 +357,14 @@ def convolution_2d(grid: SpatialGrid, x: Input, W: Input,
                    pad: IntOrTuple = 0, cover_all: bool = False,
                    dilate: IntOrTuple = 1, groups: int = 1,
                    _layer: Optional[str] = None, split: str = 'spatial',
-                   _totals: Optional[tuple] = None) -> chainer.Variable:
+                   _totals: Optional[tuple] = None,
+                   split_output: bool = False) -> chainer.Variable:
     """Spatially distributed 2-D convolution (see :func:`convolution_nd`)."""
     layer = _layer or 'distconv.convolution_2d'
     _check_grid_ndim(grid, 2, layer)
     return convolution_nd(grid, x, W, b, stride, pad, cover_all, dilate,
-                          groups, _layer=layer, split=split, _totals=_totals)
+                          groups, _layer=layer, split=split, _totals=_totals,
+                          split_output=split_output)
 
 
 def _pool_args(grid, layer, ksize, stride, pad):

@@ -46,7 +46,6 @@ import numpy
 
 from chainermn_overlap import _mpi_json
 from chainermn_overlap.distconv import _comm
-from chainermn_overlap.distconv import channels as channels_mod
 from chainermn_overlap.distconv import exchange
 from chainermn_overlap.distconv import functions
 from chainermn_overlap.distconv import geometry
@@ -222,7 +221,7 @@ class _Step(object):
 
 
 def _conv_step(grid, W, b, stride, pad, dilate, cover_all, groups, split,
-               name):
+               name, split_output=False):
     nd = grid.ndim
     layer = 'distconv.Tiled (%s)' % name
     stride = functions._ntuple(stride, nd, 'stride', layer, 1)
@@ -248,10 +247,8 @@ def _conv_step(grid, W, b, stride, pad, dilate, cover_all, groups, split,
 
     def post(y):
         if reduce_channels:
-            y = channels_mod.ChannelAllreduce(grid).apply((y,))[0]
-            _, bv = params()
-            if bv is not None:
-                y = F.bias(y, bv, axis=1)
+            y = functions._reduce_partial_sums(
+                grid, y, params()[1], params()[0].shape[0], split_output)
         return y
 
     def make_window(Wv):
@@ -259,6 +256,9 @@ def _conv_step(grid, W, b, stride, pad, dilate, cover_all, groups, split,
 
     def out_channels(c_in):
         Wv, _ = params()
+        if split_output:
+            lo, hi = grid.channel_range(Wv.shape[0])
+            return hi - lo
         return Wv.shape[0]
 
     def param_vars():
@@ -270,6 +270,9 @@ def _conv_step(grid, W, b, stride, pad, dilate, cover_all, groups, split,
     step.post = post
     step.make_window = lambda: make_window(params()[0])
     step.out_channels = out_channels
+    # Channels of fn's result, before post's reduction over the channel
+    # axis (the whole C_out also where post keeps only a block).
+    step.fn_out_channels = lambda c_in: params()[0].shape[0]
     step.param_vars = param_vars
     step.split = split
     step.in_channels = lambda: params()[0].shape[1] * groups
@@ -303,6 +306,7 @@ def _pool_step(grid, kind, ksize, stride, pad, cover_all, pad_value, name):
     step.post = lambda y: y
     step.make_window = lambda: window
     step.out_channels = lambda c_in: c_in
+    step.fn_out_channels = step.out_channels
     step.param_vars = lambda: ()
     step.split = None
     step.in_channels = lambda: None
@@ -347,7 +351,8 @@ def describe_layer(grid: SpatialGrid, layer: Any, index: int = 0) -> _Step:
         cover_all = getattr(layer, 'cover_all', False)
         step = _conv_step(grid, lambda: layer.W, lambda: layer.b,
                           layer.stride, layer.pad, layer.dilate, cover_all,
-                          layer.groups, layer.split, name)
+                          layer.groups, layer.split, name,
+                          getattr(layer, 'split_output', False))
         step.link = layer
         return step
     if isinstance(layer, links.BatchNormalization):
@@ -388,7 +393,8 @@ def describe_layer(grid: SpatialGrid, layer: Any, index: int = 0) -> _Step:
         b = None if d.get('b') is None else chainer.as_variable(d['b'])
         return _conv_step(grid, W, b, d['stride'], d['pad'], d['dilate'],
                           d['cover_all'], d['groups'],
-                          d.get('split', 'spatial'), name)
+                          d.get('split', 'spatial'), name,
+                          bool(d.get('split_output', False)))
     if isinstance(layer, chainer.Link) or not callable(layer):
         raise ValueError(
             'distconv.Tiled: layer %s (%s) is not supported. Use distconv '
@@ -620,7 +626,7 @@ class Tiled(chainer.ChainList):
             comp) else tuple(c[0] for c in comp)
         x_in = F.get_item(h, _slices(read, origin))
         out_box = nxt['computed']
-        c_out = step.out_channels(h.shape[1])
+        c_out = step.fn_out_channels(h.shape[1])
         shape = (h.shape[0], c_out) + geometry.box_shape(out_box)
         if numpy.prod(shape) == 0 or numpy.prod(x_in.shape) == 0:
             y = exchange.ZeroBlock(shape).apply(

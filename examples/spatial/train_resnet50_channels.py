@@ -67,7 +67,8 @@ class SpatialLayers(object):
     def __init__(self, grid):
         self.grid = grid
 
-    def conv(self, cin, cout, ksize, stride=1, pad=0, split=None):
+    def conv(self, cin, cout, ksize, stride=1, pad=0, split=None,
+             split_output=False):
         return distconv.Convolution2D(self.grid, cin, cout, ksize, stride,
                                       pad, nobias=True,
                                       initialW=initializers.HeNormal())
@@ -79,11 +80,12 @@ class SpatialLayers(object):
 class ChannelLayers(SpatialLayers):
     """Layers of a filter/channel-parallel stage (a grid with channels)."""
 
-    def conv(self, cin, cout, ksize, stride=1, pad=0, split='filter'):
+    def conv(self, cin, cout, ksize, stride=1, pad=0, split='filter',
+             split_output=False):
         return distconv.Convolution2D(self.grid, cin, cout, ksize, stride,
                                       pad, nobias=True,
                                       initialW=initializers.HeNormal(),
-                                      split=split)
+                                      split=split, split_output=split_output)
 
     def bn(self, size, channel_split=False):
         return distconv.BatchNormalization(self.grid, size,
@@ -100,8 +102,9 @@ class Bottleneck(chainer.Chain):
         with self.init_scope():
             self.conv1 = layers.conv(cin, mid, 1, split='filter')
             self.bn1 = layers.bn(mid, channel_split=channel)
-            self.conv2 = layers.conv(mid, mid, 3, stride, 1, split='channel')
-            self.bn2 = layers.bn(mid)
+            self.conv2 = layers.conv(mid, mid, 3, stride, 1, split='channel',
+                                     split_output=channel)
+            self.bn2 = layers.bn(mid, channel_split=channel)
             self.conv3 = layers.conv(mid, cout, 1, split='filter')
             self.bn3 = layers.bn(cout, channel_split=channel)
             self.projection = stride != 1 or cin != cout
@@ -113,6 +116,8 @@ class Bottleneck(chainer.Chain):
     def forward(self, x):
         h = F.relu(self.bn1(self.conv1(x)))
         h = F.relu(self.bn2(self.conv2(h)))
+        if self.channel:
+            h = distconv.gather_channels(self.grid, h)
         h = self.bn3(self.conv3(h))
         if self.projection:
             s = self.bn_proj(self.conv_proj(x))
