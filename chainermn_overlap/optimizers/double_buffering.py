@@ -37,10 +37,12 @@ import chainer
 from chainermn_overlap import config
 from chainermn_overlap.communication import backends
 from chainermn_overlap.communication import timeline as timeline_module
+from chainermn_overlap.compression import PowerSGD
 from chainermn_overlap.optimizers import _wrapper
 from chainermn_overlap.optimizers._layout import LayoutManager
 from chainermn_overlap.optimizers._reducer import BucketReducer
 from chainermn_overlap.optimizers._reducer import CommunicationStats
+from chainermn_overlap.optimizers._reducer import choose_operation
 from chainermn_overlap.optimizers._tracker import ParamState
 
 __all__ = ['create_double_buffering_optimizer']
@@ -52,7 +54,8 @@ class _DoubleBufferingState(object):
     """All state of the wrapper, kept apart from the actual optimizer's."""
 
     def __init__(self, actual, communicator, backend_name, bucket_size,
-                 allreduce_grad_dtype, watch_options, timeline):
+                 allreduce_grad_dtype, watch_options, timeline,
+                 compression=None):
         self.actual = actual
         self.communicator = communicator
         self.mpi_comm = communicator.mpi_comm
@@ -66,14 +69,19 @@ class _DoubleBufferingState(object):
                                     allreduce_grad_dtype, 'update',
                                     allow_groups=False)
         self.stats = CommunicationStats()
-        self.compression = None
+        self.compression = compression
         # Two buffer sets: one receives this iteration's gradients while
-        # the other's reduction (posted one iteration ago) completes.
+        # the other's reduction (posted one iteration ago) completes.  Each
+        # has its own bucket operation (the float16 ring, or a compression
+        # sharing one PowerSGD state: the engine runs the sets' reductions
+        # one after the other, in posting order).
         self.reducers = [
             BucketReducer(None, self.size, 'update', timeline,
                           before_reuse=self._forget,
-                          before_first_post=lambda: None, stats=self.stats,
-                          control=False)
+                          before_first_post=lambda: None,
+                          operation=choose_operation(allreduce_grad_dtype,
+                                                     compression),
+                          stats=self.stats, control=False)
             for _ in range(2)]
         self.infos = [[], []]
         self.k = 0              # buffer set that takes this iteration's
@@ -119,6 +127,7 @@ class _DoubleBufferingState(object):
             # must contribute the same arrays for the collectives to match.
             reducer.pack(info, info.param.grad)
         reducer.try_post(iteration)
+        reducer.operation.step_done()   # a compression counts its warm-up
         previous, self.in_flight = self.in_flight, k
         self.k = 1 - k
         return previous
@@ -193,6 +202,8 @@ class _DoubleBufferingOptimizer(_wrapper.OptimizerWrapper):
         st = self._db
         st.wait()
         st.actual.serialize(serializer)
+        if st.compression is not None:
+            st.compression.serialize(serializer['compression'])
         if isinstance(serializer, chainer.serializer.Deserializer):
             # The gradients in flight belong to the run before the load;
             # the next update posts afresh and applies nothing (as after
@@ -216,7 +227,8 @@ def create_double_buffering_optimizer(
         allreduce_grad_dtype: Any = None,
         timeout: Union[float, str, None] = None,
         stall_warning: Union[float, str, None] = None,
-        debug: Optional[bool] = None, timeline: Optional[str] = None
+        debug: Optional[bool] = None, timeline: Optional[str] = None,
+        compression: Optional[PowerSGD] = None
 ) -> '_DoubleBufferingOptimizer':
     """Creates a multi-node optimizer that updates with stale gradients.
 
@@ -240,8 +252,12 @@ def create_double_buffering_optimizer(
             (``'mpi_thread'``, ``'mpi_priority'``, ``'emulated'``, or a name
             from :func:`chainermn_overlap.communication.emulated.configure`).
         bucket_size (int or str): fusion bucket size (default 64 MiB).
-        allreduce_grad_dtype, timeout, stall_warning, debug, timeline: as
-            for :func:`chainermn_overlap.create_overlapped_optimizer`.
+        allreduce_grad_dtype, timeout, stall_warning, debug, timeline,
+            compression: as for
+            :func:`chainermn_overlap.create_overlapped_optimizer` (a float16
+            wire reduces with float32 arithmetic; PowerSGD's error feedback
+            and warm-up count the gradients posted, one update ahead of the
+            parameters they are applied to).
 
     Returns:
         The wrapped optimizer; attribute access goes to the actual optimizer.
@@ -251,6 +267,7 @@ def create_double_buffering_optimizer(
     _wrapper.check_arguments('create_double_buffering_optimizer',
                              actual_optimizer, communicator)
     backends.get_backend(backend)  # an unknown name fails here, not later
+    _wrapper.check_compression(compression, allreduce_grad_dtype)
     bucket_size = (DEFAULT_BUCKET_SIZE if bucket_size is None
                    else config.parse_size(bucket_size))
     tl = (timeline_module.Timeline(str(timeline), communicator.rank)
@@ -258,4 +275,5 @@ def create_double_buffering_optimizer(
     return _DoubleBufferingOptimizer(_DoubleBufferingState(
         actual_optimizer, communicator, backend, bucket_size,
         _wrapper.check_wire_dtype(allreduce_grad_dtype),
-        _wrapper.check_watch_options(timeout, stall_warning, debug), tl))
+        _wrapper.check_watch_options(timeout, stall_warning, debug), tl,
+        compression))

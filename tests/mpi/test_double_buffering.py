@@ -14,15 +14,18 @@ Tolerance: both sides compute bit-identical local gradients and sum the
 same arrays; only the summation order inside MPI may differ (fused buffer
 vs one array at a time), about one float32 ulp per step.
 """
+import numpy as np
 import pytest
 
 import chainer
 import chainer.functions as F
 import chainer.links as L
+from chainer import serializers
 import chainermn
 
 import chainermn_overlap
 from chainermn_overlap.communication import emulated
+from chainermn_overlap.compression import PowerSGD
 from chainermn_overlap.testing import equivalence as eq
 from chainermn_overlap.testing import models
 
@@ -199,3 +202,58 @@ def test_rejects_bad_arguments(comm):
         chainer.optimizers.SGD(), comm)
     with pytest.raises(RuntimeError, match='before setup'):
         opt.update()
+
+
+def test_powersgd_warmup_is_exact_then_compresses(comm, tmp_path):
+    data = batches()
+    plain, _ = train_ours(comm, data, OPTIMIZERS['momentum_sgd'])
+    # Warm-up longer than the run: the plain double buffering, bit for bit.
+    got, _ = train_ours(comm, data, OPTIMIZERS['momentum_sgd'],
+                        compression=PowerSGD(rank=1, warmup_iterations=100))
+    eq.assert_equivalent(got, plain, persistents=False, rtol=0, atol=0,
+                         what='PowerSGD during warm-up vs plain')
+    # Compressed after 2 posts: differs (the control), identical across
+    # ranks, finite; the warm-up counts posts (the first update only
+    # broadcasts).
+    c = PowerSGD(rank=1, warmup_iterations=2)
+    got, opt = train_ours(comm, data, OPTIMIZERS['momentum_sgd'],
+                          compression=c)
+    stats = opt.communication_stats()
+    eq.assert_different(got, plain, what='PowerSGD vs plain', **TOL)
+    errors = eq.cross_rank_errors(got, comm)
+    eq.assert_all_ranks(not errors, '; '.join(errors))
+    eq.assert_all_ranks(all(np.isfinite(p.array).all()
+                            for p in got.params()), 'non-finite parameters')
+    eq.assert_all_ranks(c.iterations == STEPS - 1 and c.errors
+                        and stats['compression_seconds'] > 0,
+                        'iterations %d, stats %r' % (c.iterations, stats))
+    # Its state is part of the optimizer's snapshot.
+    path = str(tmp_path / 'opt.npz')
+    serializers.save_npz(path, opt)
+    with np.load(path) as saved:
+        keys = set(saved.files)
+    eq.assert_all_ranks('compression/iterations' in keys
+                        and 'compression/error0' in keys, sorted(keys))
+
+
+def test_float16_wire_reduces_with_float32_arithmetic(comm):
+    data = batches()
+    plain, plain_opt = train_ours(comm, data, OPTIMIZERS['momentum_sgd'])
+    got, opt = train_ours(comm, data, OPTIMIZERS['momentum_sgd'],
+                          allreduce_grad_dtype=np.float16)
+    # float16 keeps 11 significant bits: ~5e-4 relative per gradient.
+    eq.assert_equivalent(got, plain, persistents=False, rtol=1e-2,
+                         atol=1e-3, what='float16 wire vs float32')
+    ops = {type(r.operation).__name__ for r in opt._db.reducers}
+    eq.assert_all_ranks(ops == {'LowPrecisionMean'}, repr(ops))
+    half = opt.communication_stats()['bytes'] * 2
+    eq.assert_all_ranks(half == plain_opt.communication_stats()['bytes'],
+                        'bytes: float16 %r, float32 %r' % (
+                            half, plain_opt.communication_stats()['bytes']))
+
+
+def test_powersgd_needs_a_wide_wire(comm):
+    with pytest.raises(ValueError, match='too narrow'):
+        chainermn_overlap.create_double_buffering_optimizer(
+            chainer.optimizers.SGD(), comm, compression=PowerSGD(),
+            allreduce_grad_dtype=np.float16)
