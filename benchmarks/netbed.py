@@ -18,12 +18,28 @@ is shaped on egress with ``tc`` (a token bucket, ``tbf``, at the link rate;
 with ``--delay`` a ``netem`` delay in front of it), in both directions, so
 each rank has a full-duplex link of the given rate, as a NIC would.
 
+A kernel without ``netem`` (``sch_netem``; checked once, on the first bed
+that asks for a delay) gets the delay from a relay instead
+(:mod:`benchmarks.netrelay`): each end of a link is then a TAP interface
+rather than a veth end, and one relay process per bed reads every frame
+from one TAP, holds it for the delay on a monotonic-clock queue and writes
+it into the other, in order, both directions.  The ranks' TCP/IP stacks,
+the ``tbf`` shaping and the 1500-byte MTU are as before; TSO super-packets
+cross the relay whole.  With a switch (more than 2 ranks) the relay joins
+each rank's TAP to a TAP port of the bridge, so, as with ``netem`` on both
+ends of every rank's cable, a frame from rank to rank is delayed twice.
+``delay_method='netem'`` or ``'relay'`` forces one way.  The bed measures
+the round-trip time between ranks 0 and 1 (ICMP echo) once it is up and
+reports it with the method in :meth:`NetBed.describe`.
+
 Everything the bed creates lives inside namespaces it created (names
 ``cmo<pid>r<rank>`` and ``cmo<pid>sw``), with addresses 10.213.0.<rank+1>/24
 on interfaces created there: nothing on the host's own interfaces changes.
 The namespaces are removed on exit, on errors, and on SIGINT/SIGTERM/SIGHUP;
 namespaces left by a run that was killed with SIGKILL are removed by the next
-run (their owner's pid is in their name and no longer alive).
+run (their owner's pid is in their name and no longer alive).  The relay is
+stopped before the namespaces are removed, and dies with the process that
+started it (``PR_SET_PDEATHSIG``).
 
 Each rank is pinned to a core of its own with ``taskset`` and runs one BLAS
 thread, so a rank's compute speed does not depend on its neighbours; ranks
@@ -39,6 +55,7 @@ import atexit
 import json
 import os
 import re
+import selectors
 import shutil
 import signal
 import subprocess
@@ -51,6 +68,7 @@ if not __package__:
     sys.path.insert(0, os.path.abspath(os.path.join(__file__, '..', '..')))
 
 from benchmarks import launch  # noqa: E402
+from benchmarks import netrelay  # noqa: E402
 # Link rates ("400mbit") and delays ("0.5ms") are read as everywhere in the
 # library; parse_rate and parse_delay stay importable from here.
 from chainermn_overlap.config import parse_delay  # noqa: E402
@@ -85,8 +103,38 @@ MPI_ENV = dict({
 }, **launch.BLAS_ENV)
 
 
+DELAY_METHODS = ('netem', 'relay')
+RELAY = os.path.abspath(netrelay.__file__)
+# RTT samples taken when a bed comes up (ICMP echo, rank 0 to rank 1).
+RTT_SAMPLES = 10
+
+
 class NetBedError(RuntimeError):
     """The test bed could not be set up or a command in it failed."""
+
+
+_NETEM = {}
+
+
+def netem_available(ns):
+    """Whether this kernel has the ``netem`` qdisc (asked once, cached).
+
+    Tries a netem qdisc on ``lo`` of namespace ``ns`` (one of the bed's own)
+    and removes it.  "Specified qdisc kind is unknown" means no; any other
+    failure is an error.
+    """
+    if 'netem' not in _NETEM:
+        proc = _run(['tc', '-n', ns, 'qdisc', 'add', 'dev', 'lo', 'root',
+                     'netem', 'delay', '1ms'], check=False)
+        if proc.returncode == 0:
+            _run(['tc', '-n', ns, 'qdisc', 'del', 'dev', 'lo', 'root'])
+            _NETEM['netem'] = True
+        elif 'unknown' in proc.stderr.lower():
+            _NETEM['netem'] = False
+        else:
+            raise NetBedError('could not check for the netem qdisc: {}'
+                              .format(proc.stderr.strip()))
+    return _NETEM['netem']
 
 
 def tbf_burst_bytes(rate_bps):
@@ -164,12 +212,15 @@ class NetBed(object):
     Args:
         ranks (int): number of ranks (hosts), at least 2.
         rate (str or float): link rate per rank and direction (tc tbf).
-        delay (str): optional one-way delay added by netem, e.g. ``'0.5ms'``.
+        delay (str): optional one-way delay per link, e.g. ``'0.5ms'``.
         cores (list of int): cores to pin the ranks to, in rank order;
             default: the cores this process may run on.
+        delay_method (str): ``'netem'`` or ``'relay'`` (see the module);
+            default: netem where the kernel has it, else the relay.
     """
 
-    def __init__(self, ranks, rate, delay=None, cores=None):
+    def __init__(self, ranks, rate, delay=None, cores=None,
+                 delay_method=None):
         if ranks < 2:
             raise ValueError('a test bed needs at least 2 ranks, got {}'
                              .format(ranks))
@@ -178,6 +229,17 @@ class NetBed(object):
         self.ranks = ranks
         self.rate_bps = parse_rate(rate)
         self.delay_s = parse_delay(delay)
+        if delay_method not in (None,) + DELAY_METHODS:
+            raise ValueError('delay_method must be one of {} or None, got {!r}'
+                             .format(DELAY_METHODS, delay_method))
+        self.requested_method = delay_method
+        # Set in _create: 'netem', 'relay', or None (no delay asked for).
+        self.delay_method = None
+        self.relay = None
+        self._relay_pairs = []
+        self.relay_ready = None
+        self.relay_stats = None
+        self.rtt = None
         self.cores = list(cores) if cores is not None else sorted(
             os.sched_getaffinity(0))
         tag = '{}{}'.format(PREFIX, os.getpid())
@@ -188,6 +250,7 @@ class NetBed(object):
         self.created = []
         self.stale_removed = []
         self._old_handlers = {}
+        self._held_signals = None
 
     # -- set-up and tear-down ----------------------------------------------
 
@@ -197,6 +260,7 @@ class NetBed(object):
         try:
             self.stale_removed = remove_stale_namespaces()
             self._create()
+            self.rtt = self.measure_rtt()
         except BaseException:
             self.close()
             raise
@@ -208,6 +272,9 @@ class NetBed(object):
 
     def _install_signal_handlers(self):
         def handler(signum, frame):
+            if self._held_signals is not None:  # see run_mpi
+                self._held_signals.append(signum)
+                return
             # Turn the signal into an exception so that every ``finally``
             # (and __exit__) on the way up runs and removes the namespaces.
             self.close()
@@ -232,7 +299,7 @@ class NetBed(object):
         rate = '{}bit'.format(int(self.rate_bps))
         burst = tbf_burst_bytes(self.rate_bps)
         base = ['tc', '-n', ns, 'qdisc', 'add', 'dev', dev]
-        if self.delay_s:
+        if self.delay_s and self.delay_method == 'netem':
             cmds = [base + ['root', 'handle', '1:', 'netem', 'delay',
                             '{}us'.format(int(round(self.delay_s * 1e6)))],
                     base + ['parent', '1:', 'handle', '10:', 'tbf', 'rate',
@@ -247,15 +314,27 @@ class NetBed(object):
                 if 'netem' in c and 'unknown' in str(e):
                     raise NetBedError(
                         'this kernel has no netem qdisc (module sch_netem), '
-                        'so --delay cannot be emulated here; run without '
-                        '--delay or on a kernel with sch_netem') from e
+                        'so the delay cannot come from netem here; let the '
+                        'bed choose (delay_method=None, the default: the '
+                        'relay of benchmarks/netrelay.py), or run on a '
+                        'kernel with sch_netem') from e
                 raise
             self.tc_commands.append(' '.join(c))
+
+    def _choose_delay_method(self):
+        if not self.delay_s:
+            return None
+        if self.requested_method is not None:
+            return self.requested_method
+        return 'netem' if netem_available(self.namespaces[0]) else 'relay'
 
     def _create(self):
         for ns in self.namespaces:
             self._netns_add(ns)
-        if self.switch is None:
+        self.delay_method = self._choose_delay_method()
+        if self.delay_method == 'relay':
+            self._create_relayed()
+        elif self.switch is None:
             a, b = self.namespaces
             # Created directly inside the namespaces: no interface ever
             # appears in the host's namespace, and both ends can be eth0.
@@ -278,7 +357,122 @@ class NetBed(object):
             _run(['ip', '-n', ns, 'addr', 'add', addr + '/24', 'dev', 'eth0'])
             _run(['ip', '-n', ns, 'link', 'set', 'eth0', 'up'])
             self._shape(ns, 'eth0')
+        if self.delay_method == 'relay':
+            self._start_relay()
         self._wait_until_running()
+
+    # -- the relay (a delay without netem) ---------------------------------
+
+    def _tap(self, ns, dev):
+        _run(['ip', '-n', ns, 'tuntap', 'add', 'dev', dev, 'mode', 'tap'])
+
+    def _create_relayed(self):
+        """TAP interfaces where veth ends would be; the relay joins them."""
+        if not os.path.exists('/dev/net/tun'):
+            raise NetBedError(
+                'this kernel has no netem qdisc, and the relay that delays '
+                'frames instead needs /dev/net/tun, which is missing (kernel '
+                'CONFIG_TUN; in a container, pass the device through). Run '
+                'without a delay or on a kernel with sch_netem')
+        self._relay_pairs = []
+        for ns in self.namespaces:
+            self._tap(ns, 'eth0')
+        if self.switch is None:
+            a, b = self.namespaces
+            self._relay_pairs.append('{}:eth0={}:eth0'.format(a, b))
+            return
+        sw = self.switch
+        self._netns_add(sw)
+        _run(['ip', '-n', sw, 'link', 'add', 'br0', 'type', 'bridge'])
+        _run(['ip', '-n', sw, 'link', 'set', 'br0', 'up'])
+        for r, ns in enumerate(self.namespaces):
+            port = 'p{}'.format(r)
+            self._tap(sw, port)
+            _run(['ip', '-n', sw, 'link', 'set', port, 'master', 'br0'])
+            _run(['ip', '-n', sw, 'link', 'set', port, 'up'])
+            self._shape(sw, port)
+            self._relay_pairs.append('{}:eth0={}:{}'.format(ns, sw, port))
+
+    def _start_relay(self, timeout=10.0):
+        cmd = [sys.executable, RELAY, '--delay', repr(self.delay_s)]
+        for pair in self._relay_pairs:
+            cmd += ['--pair', pair]
+        # A session of its own: Ctrl-C in a terminal reaches the bed, which
+        # stops the relay after the job, not the relay first.
+        self.relay = subprocess.Popen(cmd, stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE,
+                                      universal_newlines=True,
+                                      start_new_session=True)
+        sel = selectors.DefaultSelector()
+        sel.register(self.relay.stdout, selectors.EVENT_READ)
+        ready = sel.select(timeout)
+        sel.close()
+        line = self.relay.stdout.readline() if ready else ''
+        if not line.startswith(netrelay.READY):
+            err = self._stop_relay()
+            raise NetBedError(
+                'this kernel has no netem qdisc, and the relay that delays '
+                'frames instead did not start ({}): {}'.format(
+                    'exit {}'.format(self.relay.returncode)
+                    if self.relay.returncode is not None else 'no answer '
+                    'within {:.0f} s'.format(timeout), (line + err).strip()))
+        self.relay_ready = json.loads(line[len(netrelay.READY):])
+
+    def _stop_relay(self):
+        """Stops the relay; keeps its statistics; returns its stderr."""
+        proc = self.relay
+        if proc is None:
+            return ''
+        if proc.poll() is None:
+            proc.terminate()
+        try:
+            out, err = proc.communicate(timeout=5)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, err = proc.communicate()
+        for line in (out or '').splitlines():
+            if line.startswith(netrelay.STATS):
+                self.relay_stats = json.loads(line[len(netrelay.STATS):])
+        return err or ''
+
+    def relay_cpu_seconds(self):
+        """CPU seconds (user + system) the relay has used so far, or None."""
+        if self.relay is None:
+            return None
+        if self.relay.poll() is not None:
+            st = self.relay_stats or {}
+            return (st.get('cpu_user_s', 0.0) + st.get('cpu_system_s', 0.0)
+                    if st else None)
+        try:
+            with open('/proc/{}/stat'.format(self.relay.pid)) as f:
+                fields = f.read().rsplit(')', 1)[1].split()
+        except OSError:
+            return None
+        # utime and stime: fields 14 and 15 of stat(5), counted from 1.
+        return (int(fields[11]) + int(fields[12])) / os.sysconf(
+            'SC_CLK_TCK')
+
+    def measure_rtt(self, count=RTT_SAMPLES, timeout=10.0):
+        """ICMP round trips rank 0 -> rank 1: dict of seconds."""
+        cmd = ['ip', 'netns', 'exec', self.namespaces[0], sys.executable,
+               RELAY, '--ping', self.addresses[1], '--count', str(count)]
+        try:
+            proc = subprocess.run(cmd, stdout=subprocess.PIPE,
+                                  stderr=subprocess.PIPE,
+                                  universal_newlines=True, timeout=timeout)
+        except subprocess.TimeoutExpired as e:
+            raise NetBedError('measuring the round-trip time took over '
+                              '{:.0f} s: the link is broken'.format(
+                                  timeout)) from e
+        if proc.returncode != 0:
+            raise NetBedError('no ICMP echo across the link from {} to {}: '
+                              '{}'.format(self.addresses[0], self.addresses[1],
+                                          proc.stderr.strip()))
+        rtts = json.loads(proc.stdout)['rtt_s']
+        return {'method': 'ICMP echo, {} to {}'.format(*self.addresses[:2]),
+                'samples_s': rtts, 'min_s': min(rtts),
+                'median_s': sorted(rtts)[len(rtts) // 2],
+                'max_s': max(rtts)}
 
     def _wait_until_running(self, timeout=10.0):
         # A veth reports carrier a moment after 'up'; UCX skips a device
@@ -296,8 +490,12 @@ class NetBed(object):
                 time.sleep(0.02)
 
     def close(self):
-        """Removes every namespace this bed created (idempotent)."""
+        """Stops the relay, removes every namespace (idempotent)."""
         errors = []
+        if self.relay is not None and self.relay.returncode is None:
+            err = self._stop_relay()
+            if self.relay_stats is None and err.strip():
+                errors.append('relay: ' + err.strip()[-500:])
         while self.created:
             ns = self.created.pop()
             proc = _run(['ip', 'netns', 'del', ns], check=False)
@@ -351,10 +549,21 @@ class NetBed(object):
         t0 = time.time()
         # A session of its own: on a timeout or a signal the launcher, the
         # proxies and every rank are killed as one group.
-        proc = subprocess.Popen(line, env=full_env, stdout=out, stderr=out,
-                                universal_newlines=True,
-                                start_new_session=True)
+        # A signal raised inside Popen, after the fork, would leave the job
+        # running with no one to kill it (proc never assigned): the bed's
+        # handler holds signals back until the try below, which kills the
+        # group.  (Blocking them with a signal mask would not do: other
+        # threads, BLAS's, would take them, and the job would inherit it.)
+        self._held_signals = []
         try:
+            proc = subprocess.Popen(line, env=full_env, stdout=out,
+                                    stderr=out, universal_newlines=True,
+                                    start_new_session=True)
+        finally:
+            held, self._held_signals = self._held_signals, None
+        try:
+            if held:
+                raise KeyboardInterrupt('netbed: signal {}'.format(held[0]))
             stdout, stderr = proc.communicate(timeout=timeout)
             rc = proc.returncode
         except subprocess.TimeoutExpired:
@@ -380,9 +589,23 @@ class NetBed(object):
                                   check=False).stdout.strip().splitlines()
         return {
             'ranks': self.ranks,
-            'topology': 'bridge' if self.switch else 'veth pair',
+            'topology': ('bridge' if self.switch else 'veth pair')
+            if self.delay_method != 'relay' else
+            ('bridge, TAP ports joined to the ranks by the relay'
+             if self.switch else 'TAP pair joined by the relay'),
             'rate_bit_per_s': self.rate_bps,
             'delay_s': self.delay_s,
+            # How the delay is made: 'netem', 'relay' or None (no delay).
+            'delay_method': self.delay_method,
+            'netem_available': _NETEM.get('netem'),
+            'rtt': self.rtt,
+            'relay': None if self.relay is None else {
+                'program': RELAY, 'pid': self.relay.pid,
+                'command': list(self.relay.args),
+                'sched': (self.relay_ready or {}).get('sched'),
+                'pairs': list(self._relay_pairs),
+                'cpu_seconds_so_far': self.relay_cpu_seconds(),
+                'link': 'TAP (vnet header, TSO) <-> relay <-> TAP'},
             'tbf_burst_bytes': tbf_burst_bytes(self.rate_bps),
             'namespaces': self.namespaces,
             'switch_namespace': self.switch,
@@ -471,7 +694,10 @@ def main(argv=None):
     p.add_argument('--rate', default='400mbit',
                    help='link rate per rank and direction (tc tbf)')
     p.add_argument('--delay', default=None,
-                   help='one-way netem delay, e.g. 0.2ms (default: none)')
+                   help='one-way link delay, e.g. 0.2ms (default: none)')
+    p.add_argument('--delay-method', choices=DELAY_METHODS, default=None,
+                   help='netem, or the relay of benchmarks/netrelay.py '
+                        '(default: netem where the kernel has it)')
     p.add_argument('--timeout', type=float, default=600,
                    help='seconds before the MPI job is killed')
     p.add_argument('--probe', action='store_true',
@@ -495,14 +721,16 @@ def main(argv=None):
 
 def _main(args, cmd):
     record = {}
-    with NetBed(args.ranks, args.rate, args.delay) as bed:
+    with NetBed(args.ranks, args.rate, args.delay,
+                delay_method=args.delay_method) as bed:
         record['bed'] = bed.describe()
-        print('netbed: {} ranks, {} at {:.0f} Mbit/s{}, namespaces {}, '
-              'pinned to cores {}'.format(
+        print('netbed: {} ranks, {} at {:.0f} Mbit/s{}, RTT {:.3f} ms, '
+              'namespaces {}, pinned to cores {}'.format(
                   bed.ranks, record['bed']['topology'], bed.rate_bps / 1e6,
-                  ', delay {:g} ms'.format(bed.delay_s * 1e3)
-                  if bed.delay_s else '', ' '.join(bed.namespaces),
-                  bed.pinning()))
+                  ', delay {:g} ms ({})'.format(bed.delay_s * 1e3,
+                                                bed.delay_method)
+                  if bed.delay_s else '', bed.rtt['median_s'] * 1e3,
+                  ' '.join(bed.namespaces), bed.pinning()))
         if args.probe:
             pr = probe(bed, args.probe_bytes, timeout=args.timeout)
             record['probe'] = pr
@@ -516,6 +744,7 @@ def _main(args, cmd):
             record['run'] = {k: res[k] for k in ('returncode', 'seconds',
                                                  'command')}
             rc = res['returncode']
+    record['relay_stats'] = bed.relay_stats
     record['namespaces_left'] = [n for n in list_namespaces()
                                  if n in record['bed']['namespaces']]
     if args.record:
