@@ -36,6 +36,7 @@ import numpy
 import chainer
 
 from chainermn_overlap import _kernels
+from chainermn_overlap.communication import progress
 
 __all__ = ['PowerSGD', 'orthogonalize']
 
@@ -165,7 +166,6 @@ class PowerSGD(object):
             shapes (list): each member's parameter shape, in bucket order.
         """
 
-        from mpi4py import MPI
         t0 = time.thread_time()
         size = comm.Get_size()
         buf = bucket.buffer
@@ -203,7 +203,7 @@ class PowerSGD(object):
             first[off:off + s.size] = s
             off += s.size
         self.compute_seconds += time.thread_time() - t0
-        comm.Allreduce(MPI.IN_PLACE, _host(first), op=MPI.SUM)
+        progress.allreduce_sum(comm, _host(first))
         t1 = time.thread_time()
         off = p_elems
         scale = dtype.type(1.0 / size)
@@ -224,7 +224,7 @@ class PowerSGD(object):
             off += q.size
         self.compute_seconds += time.thread_time() - t1
         if q_elems:
-            comm.Allreduce(MPI.IN_PLACE, _host(second), op=MPI.SUM)
+            progress.allreduce_sum(comm, _host(second))
         t2 = time.thread_time()
         for (name, mat, _), p, qt in zip(mats, ps, qts):
             qt *= scale

@@ -40,6 +40,7 @@ from typing import Any, Callable, Dict, Optional
 from chainermn_overlap import abort
 from chainermn_overlap import config
 from chainermn_overlap._host import stage_to_host
+from chainermn_overlap.communication import progress
 from chainermn_overlap.communication import watchdog as watchdog_module
 from chainermn_overlap.communication.handle import FailureLatch
 from chainermn_overlap.communication.handle import Handle
@@ -375,7 +376,9 @@ class Engine(object):
             if custom:
                 op(self.comm, buf)
             else:
-                self.comm.Allreduce(self._in_place, buf, op=self._ops[op])
+                # Sleeps between tests: MPICH's blocking call would poll
+                # the core that training shares (progress.py).
+                progress.allreduce(self.comm, buf, self._ops[op])
             return True
         except Exception as e:  # reported to the waiting thread
             error = self._latch.record(e, handle)

@@ -11,12 +11,16 @@ rounds them; the scale by ``1 / size`` is folded into the last addition of
 each chunk before its owner rounds it, and the allgather hands every rank
 the owner's bits, so all ranks end with the same array, bit for bit.
 
-Traffic per rank is the ring's ``2 (P-1)/P`` times the buffer, as MPI's
-large-message allreduce; the float32 accumulator is one chunk.
+Each step waits without polling the core (:mod:`.progress`): ranks out of
+step would otherwise spin in MPICH's blocking calls on a core that
+training shares.  Traffic per rank is the ring's ``2 (P-1)/P`` times the
+buffer, as MPI's large-message allreduce; the float32 accumulator is one
+chunk.
 """
 import numpy
 
 from chainermn_overlap import _kernels
+from chainermn_overlap.communication import progress
 
 __all__ = ['ring_allreduce_mean', 'chunk_bounds']
 
@@ -58,15 +62,13 @@ def ring_allreduce_mean(comm, buf, tag=0x52):
         out = chunk[(rank - s) % size]
         into = chunk[(rank - s - 1) % size]
         got = recv[:len(into)]
-        comm.Sendrecv(out, dest=right, sendtag=tag, recvbuf=got,
-                      source=left, recvtag=tag)
+        progress.sendrecv(comm, out, right, got, left, tag)
         # One pass where the fused kernel runs (float16 in, float32 sum).
         _kernels.add_into(into, got, acc, scale if s == size - 2 else None)
     # Allgather: pass the finished chunks around the ring.
     for s in range(size - 1):
         out = chunk[(rank + 1 - s) % size]
         into = chunk[(rank - s) % size]
-        comm.Sendrecv(out, dest=right, sendtag=tag + 1, recvbuf=into,
-                      source=left, recvtag=tag + 1)
+        progress.sendrecv(comm, out, right, into, left, tag + 1)
     return buf
 
