@@ -7,9 +7,9 @@ Run (as root: it builds the network test bed of ``benchmarks/netbed.py``)::
 Two ranks, each pinned to one core with one BLAS thread, as in
 ``overlap_bench.py``.  Each rank times a fixed compute loop (a small
 convolutional network's forward and backward in Chainer) alone, then while a
-second thread reduces 4 MiB buffers with ``MPI_Allreduce`` back to back
-over the shaped link, the way the overlapped optimizer's communication
-thread does.  Variants of that thread: its normal priority, and ``nice 19``
+second thread reduces 4 MiB buffers back to back over the shaped link, the
+way the overlapped optimizer's communication thread does (``Iallreduce``
+tested between short sleeps, ``chainermn_overlap.communication.progress``).  Variants of that thread: its normal priority, and ``nice 19``
 (it then gets little of the core, so what remains of the slowdown is the
 kernel's network work and the copies, not the thread's polling).  Rounds
 alternate the variants; medians are reported.
@@ -51,6 +51,7 @@ def worker(cfg):
     import chainer.functions as F
     import chainer.links as L
     from mpi4py import MPI
+    from chainermn_overlap.communication import progress
     world = MPI.COMM_WORLD
     comm = world.Dup()
 
@@ -93,7 +94,8 @@ def worker(cfg):
             # Both ranks must stop after the same reduction: the stop flag
             # travels in the reduced buffer itself.
             buf[0] = 1.0 if stop.is_set() else 0.0
-            comm.Allreduce(MPI.IN_PLACE, buf)
+            # As the engines wait: non-blocking, tested between sleeps.
+            progress.allreduce(comm, buf)
             n += 1
             if buf[0] > 0:
                 break
