@@ -299,23 +299,28 @@ k_orthogonalize(float *P, Py_ssize_t n, Py_ssize_t r, double eps)
 /* ------------------------------------------------------------------ */
 /* Python entry points                                                 */
 
+/* One conversion entry point: src (src_fmt) -> dst (dst_fmt), same count. */
 static PyObject *
-py_f32_to_f16(PyObject *self, PyObject *args)
+convert(PyObject *args, const char *spec, char src_fmt, char dst_fmt,
+        int to_half)
 {
     PyObject *so, *do_;
     Py_buffer s, d;
-    if (!PyArg_ParseTuple(args, "OO:f32_to_f16", &so, &do_))
+    if (!PyArg_ParseTuple(args, spec, &so, &do_))
         return NULL;
-    if (require_available() < 0 || get_buffer(so, &s, 0, 'f', "src") < 0)
+    if (require_available() < 0 || get_buffer(so, &s, 0, src_fmt, "src") < 0)
         return NULL;
-    if (get_buffer(do_, &d, 1, 'e', "dst") < 0) {
+    if (get_buffer(do_, &d, 1, dst_fmt, "dst") < 0) {
         PyBuffer_Release(&s);
         return NULL;
     }
     if (check_count(&d, count(&s), "dst") == 0) {
 #ifdef CMO_X86
         Py_BEGIN_ALLOW_THREADS
-        k_f32_to_f16((const float *)s.buf, (uint16_t *)d.buf, count(&s));
+        if (to_half)
+            k_f32_to_f16((const float *)s.buf, (uint16_t *)d.buf, count(&s));
+        else
+            k_f16_to_f32((const uint16_t *)s.buf, (float *)d.buf, count(&s));
         Py_END_ALLOW_THREADS
 #endif
     }
@@ -327,30 +332,15 @@ py_f32_to_f16(PyObject *self, PyObject *args)
 }
 
 static PyObject *
+py_f32_to_f16(PyObject *self, PyObject *args)
+{
+    return convert(args, "OO:f32_to_f16", 'f', 'e', 1);
+}
+
+static PyObject *
 py_f16_to_f32(PyObject *self, PyObject *args)
 {
-    PyObject *so, *do_;
-    Py_buffer s, d;
-    if (!PyArg_ParseTuple(args, "OO:f16_to_f32", &so, &do_))
-        return NULL;
-    if (require_available() < 0 || get_buffer(so, &s, 0, 'e', "src") < 0)
-        return NULL;
-    if (get_buffer(do_, &d, 1, 'f', "dst") < 0) {
-        PyBuffer_Release(&s);
-        return NULL;
-    }
-    if (check_count(&d, count(&s), "dst") == 0) {
-#ifdef CMO_X86
-        Py_BEGIN_ALLOW_THREADS
-        k_f16_to_f32((const uint16_t *)s.buf, (float *)d.buf, count(&s));
-        Py_END_ALLOW_THREADS
-#endif
-    }
-    PyBuffer_Release(&s);
-    PyBuffer_Release(&d);
-    if (PyErr_Occurred())
-        return NULL;
-    Py_RETURN_NONE;
+    return convert(args, "OO:f16_to_f32", 'e', 'f', 0);
 }
 
 static PyObject *
