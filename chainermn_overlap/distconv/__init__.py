@@ -104,7 +104,10 @@ Channel and filter parallelism (``SpatialGrid(comm, shape, channels=C)``):
     takes whole channels and returns its block of output channels (it
     holds that block of W and b); ``split='channel'`` takes split channels,
     holds its block of W's input channels, reduces the partial sums over
-    the channel axis and returns every output channel. A ``'filter'``
+    the channel axis and returns every output channel (with
+    ``split_output=True`` it reduce-scatters them and returns its block of
+    the output channels, so that what follows runs on 1/C of them;
+    :func:`gather_channels` makes a block whole again). A ``'filter'``
     layer feeds a ``'channel'`` one directly; ``BatchNormalization(grid,
     size, channel_split=True)`` normalises a channel-split tensor with
     global statistics; element-wise functions and poolings work on either.

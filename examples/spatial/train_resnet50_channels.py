@@ -17,20 +17,34 @@ stem, res2 and res3 run on a spatial grid (``--grid``), and from
 channel axis of a second grid, ``SpatialGrid(comm, (1, 1),
 channels=prod(grid))``, whose sample groups are the same processes. At
 the boundary :func:`distconv.to_replicated` gives every process of a group
-the group's whole samples; each bottleneck then runs
+the group's whole samples and :func:`distconv.channel_block` keeps its
+block of the channels (a slice). Each bottleneck takes and returns that
+channel block and runs
 
-    conv1 1x1 split='filter'  -> its block of the mid channels
+    conv1 1x1 split='channel', split_output=True
+                              -> partial sums over its input channels,
+                                 reduce-scattered: its block of the mid
     BN (channel_split=True), ReLU
-    conv2 3x3 split='channel' -> partial sums reduced over the channel axis
-    BN, ReLU                  (whole channels, the same on every process)
+    conv2 3x3 split='channel', split_output=True -> likewise
+    BN (channel_split=True), ReLU
+    distconv.gather_channels  -> whole mid channels
     conv3 1x1 split='filter'  -> its block of the output channels
-    BN (channel_split=True) + shortcut's block (a projection with
-    split='filter', or distconv.channel_block of the input), ReLU
-    distconv.gather_channels  -> whole channels for the next block
+    BN (channel_split=True) + shortcut (the input block, or a projection
+    like conv1), ReLU         -> its block of the output channels
 
-so each process holds 1/P of the weights of res4/res5 (most of ResNet-50's
-parameters) and computes 1/P of its convolutions, with one allreduce and
-one allgather per bottleneck and no halo at all.
+and after the last channel stage one gather_channels gives global
+average pooling and the classifier whole channels. Each process holds 1/P
+of the weights of res4/res5 (most of ResNet-50's parameters) and computes
+1/P of their convolutions and batch normalisations, with two
+reduce-scatters and one allgather of the *mid* channels per bottleneck
+(backward: their adjoints) and no halo at all. The wide (4x mid) tensors
+between blocks never cross the channel axis: the plain filter -> channel
+-> filter pairing (``Bottleneck(..., channel_io='whole')``) takes whole
+channels, so it gathers every block's output and reduces its gradient:
+twice the bytes per process (about 600 instead of 300 KB each way for a
+14x14 res4 block at batch 1 on 2 processes) and one whole-width copy of
+the 3x3's output normalised on every process (compared in
+``benchmarks/channel_tiling_bench.py``).
 
 Gradients of the channel blocks must be reduced within their reduction
 groups (``distconv.reduction_groups(model)``). ``--optimizer overlap``
@@ -93,40 +107,59 @@ class ChannelLayers(SpatialLayers):
 
 
 class Bottleneck(chainer.Chain):
-    """1x1 -> 3x3 (stride) -> 1x1, spatial or filter/channel parallel."""
+    """1x1 -> 3x3 (stride) -> 1x1, spatial or filter/channel parallel.
 
-    def __init__(self, layers, cin, mid, cout, stride=1, channel=False):
+    With ``channel`` the block takes and returns this process's channel
+    block (``channel_io='split'``, the default, see the module docstring),
+    or whole channels on every process (``channel_io='whole'``: conv1
+    ``'filter'``, conv2 ``'channel'`` allreduced, bn2 on the whole mid
+    channels on every process, conv3 ``'filter'``, then the output
+    gathered: the plain filter -> channel -> filter pairing, which moves
+    the whole output across the channel axis twice per step; kept for the
+    benchmark's comparison).
+    """
+
+    def __init__(self, layers, cin, mid, cout, stride=1, channel=False,
+                 channel_io='split'):
         super(Bottleneck, self).__init__()
+        if channel_io not in ('split', 'whole'):
+            raise ValueError("channel_io must be 'split' or 'whole', got %r"
+                             % (channel_io,))
         self.grid = layers.grid
         self.channel = channel
+        self.split_io = bool(channel and channel_io == 'split')
+        # split_io: conv1 (and the projection) reduce-scatter their partial
+        # sums over the input's channel blocks; otherwise they are filter
+        # parallel on the whole input.
+        first = dict(split='channel', split_output=True) if self.split_io \
+            else dict(split='filter')
         with self.init_scope():
-            self.conv1 = layers.conv(cin, mid, 1, split='filter')
+            self.conv1 = layers.conv(cin, mid, 1, **first)
             self.bn1 = layers.bn(mid, channel_split=channel)
             self.conv2 = layers.conv(mid, mid, 3, stride, 1, split='channel',
-                                     split_output=channel)
-            self.bn2 = layers.bn(mid, channel_split=channel)
+                                     split_output=self.split_io)
+            self.bn2 = layers.bn(mid, channel_split=self.split_io)
             self.conv3 = layers.conv(mid, cout, 1, split='filter')
             self.bn3 = layers.bn(cout, channel_split=channel)
             self.projection = stride != 1 or cin != cout
             if self.projection:
-                self.conv_proj = layers.conv(cin, cout, 1, stride,
-                                             split='filter')
+                self.conv_proj = layers.conv(cin, cout, 1, stride, **first)
                 self.bn_proj = layers.bn(cout, channel_split=channel)
 
     def forward(self, x):
         h = F.relu(self.bn1(self.conv1(x)))
         h = F.relu(self.bn2(self.conv2(h)))
-        if self.channel:
+        if self.split_io:
             h = distconv.gather_channels(self.grid, h)
         h = self.bn3(self.conv3(h))
         if self.projection:
             s = self.bn_proj(self.conv_proj(x))
-        elif self.channel:
+        elif self.channel and not self.split_io:
             s = distconv.channel_block(self.grid, x)
         else:
             s = x
         h = F.relu(h + s)
-        if self.channel:
+        if self.channel and not self.split_io:
             h = distconv.gather_channels(self.grid, h)
         return h
 
@@ -180,8 +213,13 @@ class ResNet50Channels(chainer.Chain):
                 # axis of channel_grid is this group's spatial grid.
                 h = distconv.to_replicated(self.grid, h)
                 grid = self.channel_grid
+                # Each process then holds its channel block: the blocks
+                # take and return channel blocks.
+                h = distconv.channel_block(grid, h)
             for block in getattr(self, name):
                 h = block(h)
+        # Whole channels for the classifier (once, after the last stage).
+        h = distconv.gather_channels(grid, h)
         h = distconv.global_average_pooling(grid, h)  # (N_group, C)
         return self.fc(h)
 

@@ -117,7 +117,9 @@ def test_filter_convolution(gc, case):
 @pytest.mark.parametrize('gc', CHANNEL_GRIDS, ids=_ids)
 @pytest.mark.parametrize('case', [
     (5, 4, 3, 1, 1), (7, 3, 3, 2, 0), (4, 6, 1, 1, 0)], ids=str)
-def test_channel_convolution(gc, case):
+@pytest.mark.parametrize('split_output', [False, True],
+                         ids=['whole', 'split_output'])
+def test_channel_convolution(gc, case, split_output):
     g = cgrid(*gc)
     ci, co, k, s, p = case
     x = _data(4, 3, ci, 6, 7)
@@ -126,7 +128,8 @@ def test_channel_convolution(gc, case):
     b = rng.randn(co).astype(np.float32)
     serial = L.Convolution2D(ci, co, k, s, p, initialW=W, initial_bias=b)
     dist = distconv.Convolution2D(g, ci, co, k, s, p, initialW=W,
-                                  initial_bias=b, split='channel')
+                                  initial_bias=b, split='channel',
+                                  split_output=split_output)
     chk = Checker()
     serial.cleargrads()
     dist.cleargrads()
@@ -137,14 +140,114 @@ def test_channel_convolution(gc, case):
     ys.backward()
     xd = chainer.Variable(g.scatter(x, channel_split=True))
     yd = dist(xd)
-    # The output is whole on every channel coordinate (equal copies).
-    chk.close('forward (this copy)', g.gather(yd), ys.array)
-    yd.grad = upstream(g, gy, False)
+    if split_output:
+        # This coordinate's block of the output channels.
+        lo, hi = g.channel_range(co)
+        chk.true('output block has %d channels' % (hi - lo),
+                 yd.shape[1] == hi - lo)
+        chk.close('forward', g.gather(yd, channel_split=True), ys.array)
+    else:
+        # The output is whole on every channel coordinate (equal copies).
+        chk.close('forward (this copy)', g.gather(yd), ys.array)
+    yd.grad = upstream(g, gy, split_output)
     yd.backward()
     chk.close('input grad', g.gather(xd.grad, channel_split=True), xs.grad)
     chk.close('W grad', sum_over_ranks(embed(g, W.shape, grad_or_zero(dist.W),
                                              1, ci)), serial.W.grad)
     chk.close('b grad', sum_over_ranks(grad_or_zero(dist.b)), serial.b.grad)
+    chk.done()
+
+
+class BottleneckNet(chainer.Chain):
+    """The res4 pairing with a reduce-scattered 3x3 (uneven channels).
+
+    filter 1x1 -> BN (split) -> ReLU -> channel 3x3 with ``split_output``
+    -> BN (split) -> ReLU -> gather_channels -> filter 1x1 -> BN (split)
+    + the input's channel block -> ReLU -> gather_channels.
+    """
+
+    def __init__(self, g=None, c=7, mid=5):
+        super(BottleneckNet, self).__init__()
+        self.g = g
+        rng = np.random.RandomState(21)
+        w1 = rng.randn(mid, c, 1, 1).astype(np.float32) * 0.4
+        w2 = rng.randn(mid, mid, 3, 3).astype(np.float32) * 0.3
+        w3 = rng.randn(c, mid, 1, 1).astype(np.float32) * 0.4
+        with self.init_scope():
+            if g is None:
+                self.c1 = L.Convolution2D(c, mid, 1, initialW=w1)
+                self.b1 = L.BatchNormalization(mid)
+                self.c2 = L.Convolution2D(mid, mid, 3, 1, 1, initialW=w2,
+                                          initial_bias=0.2)
+                self.b2 = L.BatchNormalization(mid)
+                self.c3 = L.Convolution2D(mid, c, 1, initialW=w3)
+                self.b3 = L.BatchNormalization(c)
+            else:
+                self.c1 = distconv.Convolution2D(g, c, mid, 1, initialW=w1,
+                                                 split='filter')
+                self.b1 = distconv.BatchNormalization(g, mid,
+                                                      channel_split=True)
+                self.c2 = distconv.Convolution2D(
+                    g, mid, mid, 3, 1, 1, initialW=w2, initial_bias=0.2,
+                    split='channel', split_output=True)
+                self.b2 = distconv.BatchNormalization(g, mid,
+                                                      channel_split=True)
+                self.c3 = distconv.Convolution2D(g, mid, c, 1, initialW=w3,
+                                                 split='filter')
+                self.b3 = distconv.BatchNormalization(g, c,
+                                                      channel_split=True)
+
+    def forward(self, x):
+        g = self.g
+        h = F.relu(self.b1(self.c1(x)))
+        h = F.relu(self.b2(self.c2(h)))
+        if g is not None:
+            h = distconv.gather_channels(g, h)
+        h = self.b3(self.c3(h))
+        s = x if g is None else distconv.channel_block(g, x)
+        h = F.relu(h + s)
+        return h if g is None else distconv.gather_channels(g, h)
+
+
+@pytest.mark.parametrize('gc', CHANNEL_GRIDS, ids=_ids)
+def test_bottleneck_with_split_output(gc):
+    g = cgrid(*gc)
+    x = _data(22, 4, 7, 6, 5)
+    serial = BottleneckNet()
+    dist = BottleneckNet(g)
+    serial.cleargrads()
+    dist.cleargrads()
+    xs = chainer.Variable(x.copy())
+    ys = serial(xs)
+    gy = np.random.RandomState(23).randn(*ys.shape).astype(np.float32)
+    ys.grad = gy.copy()
+    ys.backward()
+    xd = chainer.Variable(g.scatter(x))
+    yd = dist(xd)
+    chk = Checker()
+    chk.close('forward', g.gather(yd), ys.array)
+    yd.grad = upstream(g, gy, False)
+    yd.backward()
+    chk.close('input grad', g.gather(xd.grad, reduce_copies=True), xs.grad)
+    back = BottleneckNet()
+    distconv.store_serial_params(g, dist, back)
+    for name in ('b1', 'b2', 'b3'):
+        chk.close(name + ' running var', getattr(back, name).avg_var,
+                  getattr(serial, name).avg_var)
+    blocks = {'c1/W': (0, 5), 'c1/b': (0, 5), 'b1/gamma': (0, 5),
+              'b1/beta': (0, 5), 'c2/W': (1, 5), 'b2/gamma': (0, 5),
+              'b2/beta': (0, 5), 'c3/W': (0, 7), 'c3/b': (0, 7),
+              'b3/gamma': (0, 7), 'b3/beta': (0, 7)}
+    dparams = dict(dist.namedparams())
+    for path, sp in serial.namedparams():
+        dp = dparams[path]
+        if path.lstrip('/') in blocks:
+            axis, total = blocks[path.lstrip('/')]
+            got = sum_over_ranks(embed(g, sp.shape, grad_or_zero(dp), axis,
+                                       total))
+        else:  # c2/b: whole on every process, gradient on its block
+            got = sum_over_ranks(grad_or_zero(dp))
+        chk.close('grad of ' + path, got, sp.grad)
     chk.done()
 
 
@@ -346,6 +449,11 @@ def test_channel_split_errors(gc):
         distconv.Convolution2D(g, None, 3, 3, split='filter')
     with pytest.raises(ValueError, match='split must be'):
         distconv.Convolution2D(g, 4, 3, 3, split='rows')
+    with pytest.raises(ValueError, match='split_output'):
+        distconv.Convolution2D(g, 4, 3, 3, split='filter', split_output=True)
+    with pytest.raises(ValueError, match='split_output'):
+        distconv.convolution_2d(g, g.scatter(x), conv.W, split='spatial',
+                                split_output=True)
 
 
 def test_grid_channel_axis_layout():

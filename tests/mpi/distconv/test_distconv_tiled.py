@@ -180,7 +180,9 @@ def _channel_grid(shape, channels):
 @pytest.mark.parametrize('gc', [((1, 1), 2), ((2, 1), 2), ((2, 1), 1)],
                          ids=str)
 @pytest.mark.parametrize('depth', [1, None], ids=str)
-def test_tiled_filter_channel(gc, depth):
+@pytest.mark.parametrize('split_output', [False, True],
+                         ids=['whole', 'split_output'])
+def test_tiled_filter_channel(gc, depth, split_output):
     g = _channel_grid(*gc)
     rng = np.random.RandomState(33)
     x = rng.randn(2 * g.n_groups, 3, 9, 8).astype(np.float32)
@@ -190,7 +192,8 @@ def test_tiled_filter_channel(gc, depth):
                                 initial_bias=0.3, split='filter')
     bn = distconv.BatchNormalization(g, 5, channel_split=True)
     c2 = distconv.Convolution2D(g, 5, 4, 3, 2, 1, initialW=W2,
-                                initial_bias=0.2, split='channel')
+                                initial_bias=0.2, split='channel',
+                                split_output=split_output)
     tiled = distconv.Tiled(g, [c1, bn, F.relu, c2], depth=depth)
     serial = chainer.ChainList(
         L.Convolution2D(3, 5, 3, 1, 1, initialW=W1, initial_bias=0.3),
@@ -205,11 +208,14 @@ def test_tiled_filter_channel(gc, depth):
     ys.backward()
     xd = chainer.Variable(g.scatter(x))
     yd = tiled(xd)
-    gyd = g.scatter(gy)
-    yd.grad = gyd if g.channel_rank == 0 else np.zeros_like(gyd)
+    if split_output:  # this coordinate's block of the output channels
+        yd.grad = g.scatter(gy, channel_split=True)
+    else:
+        gyd = g.scatter(gy)
+        yd.grad = gyd if g.channel_rank == 0 else np.zeros_like(gyd)
     yd.backward()
     chk = Checker()
-    chk.close('forward', g.gather(yd), ys.array)
+    chk.close('forward', g.gather(yd, channel_split=split_output), ys.array)
     chk.close('input grad', g.gather(xd.grad, reduce_copies=True), xs.grad)
     back = chainer.ChainList(L.Convolution2D(3, 5, 3, 1, 1),
                              L.BatchNormalization(5),
