@@ -12,7 +12,13 @@ tiling part needs root for the network test bed)::
     14x14 map, batch 1, at 1 process (Chainer through a 1x1 grid) and at 2
     processes split spatially (grid (2, 1): halos on a 7-row block) or
     filter/channel parallel (grid (1, 1) with channels=2, the layout of
-    ``examples/spatial/train_resnet50_channels.py``). Per setting: the
+    ``examples/spatial/train_resnet50_channels.py``: the block takes and
+    returns its channel block, as the spatial setting takes and returns
+    its row block; conv1 and conv2 'channel' with their partial sums
+    reduce-scattered, the mid channels gathered for conv3 'filter').
+    ``filter_channel_whole_io`` is the plain filter -> channel -> filter
+    pairing with whole channels in and out (conv2 allreduced, the output
+    gathered), for comparison. Per setting: the
     median forward+backward step time over rounds (settings alternate
     round by round), parameter bytes per process, bytes numpy holds after
     forward (activations kept for backward) and the peak during a step
@@ -82,8 +88,17 @@ def _late_models(comm, cfg):
                       gs.scatter(x))
     gc = distconv.SpatialGrid(comm, (1, 1), channels=comm.size)
     np.random.seed(0)
+    # Channel blocks in and out, as inside a stage of the example (like
+    # the spatial setting's row blocks).
     out['filter_channel'] = (
-        gc, rc.Bottleneck(rc.ChannelLayers(gc), c, mid, c, channel=True), x)
+        gc, rc.Bottleneck(rc.ChannelLayers(gc), c, mid, c, channel=True),
+        gc.scatter(x, channel_split=True))
+    # The plain filter -> channel -> filter pairing with whole channels in
+    # and out (the output gathered, its gradient reduced).
+    np.random.seed(0)
+    out['filter_channel_whole_io'] = (
+        gc, rc.Bottleneck(rc.ChannelLayers(gc), c, mid, c, channel=True,
+                          channel_io='whole'), x)
     return out
 
 
