@@ -86,6 +86,30 @@ _MOVE_TYPES = {1: MPI.UINT8_T, 2: MPI.UINT16_T, 4: MPI.UINT32_T,
                8: MPI.UINT64_T}
 
 
+def _host_contiguous(arr):
+    """A C-contiguous host copy of ``arr`` (``arr`` itself if it is one).
+
+    Chainer's CPU convolutions return channels-last arrays viewed as
+    ``(N, C, *spatial)``; numpy copies such a transposed view element by
+    element, about half as fast as copying it in slabs of 32 spatial
+    cells (each slab a small transpose that stays in the L1 cache).
+    """
+    if (backend.get_array_module(arr) is not numpy or arr.flags.c_contiguous
+            or arr.ndim < 3):
+        return _comm.to_host(arr)
+    n, c = arr.shape[:2]
+    cells = int(numpy.prod(arr.shape[2:]))
+    last = numpy.moveaxis(arr, 1, -1)
+    if not last.flags.c_contiguous or n * c * cells == 0:
+        return numpy.ascontiguousarray(arr)
+    src = last.reshape(n, cells, c)
+    out = numpy.empty((n, c, cells), dtype=arr.dtype)
+    for i in range(n):
+        for j in range(0, cells, 32):
+            out[i, :, j:j + 32] = src[i, j:j + 32].T
+    return out.reshape(arr.shape)
+
+
 def _block_counts(grid, n, total, cells):
     """Channels, elements and element offsets of each coordinate's block."""
     widths = [hi - lo for lo, hi in
@@ -147,7 +171,7 @@ def _reduce_scatter_blocks(grid, g, total):
     packed block-major once. Summed in ``g``'s dtype (float16 in float32,
     which MPI has no type for).
     """
-    host = _comm.to_host(g)
+    host = _host_contiguous(g)
     n, rest = host.shape[0], host.shape[2:]
     cells = int(numpy.prod(rest))
     mpi_type = _MPI_TYPES.get(host.dtype)

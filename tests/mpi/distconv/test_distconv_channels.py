@@ -512,3 +512,22 @@ def test_convolution_nd_filter_then_channel_3d(gc):
     chk.close('W2 grad', sum_over_ranks(embed(g, w2.shape, d2.W.grad, 1, 5)),
               s2.W.grad)
     chk.done()
+
+
+@pytest.mark.parametrize('shape', [(1, 14, 14, 256), (3, 5, 7, 6),
+                                   (2, 40, 3, 9), (0, 4, 4, 3),
+                                   (2, 3, 4, 5, 6)], ids=str)
+def test_host_contiguous_copies_channels_last_views_exactly(shape):
+    from chainermn_overlap.distconv import channels as dc_channels
+    rng = np.random.RandomState(31)
+    last = rng.randn(*shape).astype(np.float32)
+    view = np.moveaxis(last, -1, 1)  # what Chainer's CPU convolution returns
+    got = dc_channels._host_contiguous(view)
+    assert got.flags.c_contiguous
+    assert got.shape == view.shape
+    np.testing.assert_array_equal(got, view)
+    whole = np.ascontiguousarray(view)
+    assert dc_channels._host_contiguous(whole) is whole
+    strided = whole[:, ::2]
+    np.testing.assert_array_equal(dc_channels._host_contiguous(strided),
+                                  strided)
