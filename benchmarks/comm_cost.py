@@ -8,8 +8,9 @@ Two ranks, each pinned to one core with one BLAS thread, as in
 ``overlap_bench.py``.  Each rank times a fixed compute loop (a small
 convolutional network's forward and backward in Chainer) alone, then while a
 second thread reduces 4 MiB buffers back to back over the shaped link, the
-way the overlapped optimizer's communication thread does (``Iallreduce``
-tested between short sleeps, ``chainermn_overlap.communication.progress``).  Variants of that thread: its normal priority, and ``nice 19``
+way the overlapped optimizer's communication thread does (waiting as the
+engines do by default: ``Engine.mpi_wait``).  Variants of that thread: its
+normal priority, and ``nice 19``
 (it then gets little of the core, so what remains of the slowdown is the
 kernel's network work and the copies, not the thread's polling).  Rounds
 alternate the variants; medians are reported.
@@ -51,7 +52,8 @@ def worker(cfg):
     import chainer.functions as F
     import chainer.links as L
     from mpi4py import MPI
-    from chainermn_overlap.communication import progress
+    from chainermn_overlap.communication import engine, progress
+    mpi_wait = cfg.get('mpi_wait', engine.DEFAULT_MPI_WAIT)
     world = MPI.COMM_WORLD
     comm = world.Dup()
 
@@ -94,8 +96,11 @@ def worker(cfg):
             # Both ranks must stop after the same reduction: the stop flag
             # travels in the reduced buffer itself.
             buf[0] = 1.0 if stop.is_set() else 0.0
-            # As the engines wait: non-blocking, tested between sleeps.
-            progress.allreduce(comm, buf)
+            # As the engines wait for an allreduce (their default).
+            if mpi_wait == 'sleep':
+                progress.allreduce(comm, buf)
+            else:
+                comm.Allreduce(MPI.IN_PLACE, buf)
             n += 1
             if buf[0] > 0:
                 break

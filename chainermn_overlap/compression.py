@@ -156,7 +156,7 @@ class PowerSGD(object):
     # ------------------------------------------------------------------
     # The collective (runs on the communication thread)
 
-    def reduce_bucket(self, comm, bucket, shapes):
+    def reduce_bucket(self, comm, bucket, shapes, mpi_wait='sleep'):
         """Replaces the bucket's local gradients by the compressed mean.
 
         Args:
@@ -164,6 +164,9 @@ class PowerSGD(object):
             bucket: the fusion bucket; its buffer holds this rank's
                 gradients, packed.
             shapes (list): each member's parameter shape, in bucket order.
+            mpi_wait (str): how the two allreduces wait (``'sleep'``:
+            between tests, leaving the core to training; ``'poll'``: MPI's
+            blocking call).
         """
 
         t0 = time.thread_time()
@@ -203,7 +206,7 @@ class PowerSGD(object):
             first[off:off + s.size] = s
             off += s.size
         self.compute_seconds += time.thread_time() - t0
-        progress.allreduce_sum(comm, _host(first))
+        progress.allreduce_sum(comm, _host(first), mpi_wait)
         t1 = time.thread_time()
         off = p_elems
         scale = dtype.type(1.0 / size)
@@ -224,7 +227,7 @@ class PowerSGD(object):
             off += q.size
         self.compute_seconds += time.thread_time() - t1
         if q_elems:
-            progress.allreduce_sum(comm, _host(second))
+            progress.allreduce_sum(comm, _host(second), mpi_wait)
         t2 = time.thread_time()
         for (name, mat, _), p, qt in zip(mats, ps, qts):
             qt *= scale

@@ -50,6 +50,8 @@ __all__ = ['Engine', 'Handle', 'check_thread_multiple', 'get_backend',
            'register_backend']
 
 _BACKENDS: Dict[str, Callable[..., Any]] = {}
+DEFAULT_MPI_WAIT = 'poll'
+
 _LIVE = weakref.WeakSet()
 
 
@@ -137,6 +139,11 @@ class Engine(object):
         comm: the communicator to reduce on instead of a duplicate of
             ``mpi_comm``, such as the emulated engine's modelled one; the
             engine owns it (frees it when closed).
+        mpi_wait (str): how the thread waits for an allreduce: ``'sleep'``
+            (post ``Iallreduce``, test it between short sleeps:
+            :mod:`.progress`) or ``'poll'`` (MPI's blocking call, which
+            polls the core).  Collectives of ``run`` (the float16 ring,
+            PowerSGD) always sleep.
 
     Subclasses take the same arguments, plus keyword options of their
     policy (``chunk_bytes`` of ``'mpi_priority'``; ``base`` and the link of
@@ -147,7 +154,11 @@ class Engine(object):
 
     def __init__(self, mpi_comm: Any, *, timeout: Any = None,
                  stall_warning: Any = None, debug: Optional[bool] = None,
-                 comm: Any = None) -> None:
+                 comm: Any = None, mpi_wait: str = DEFAULT_MPI_WAIT) -> None:
+        if mpi_wait not in ('sleep', 'poll'):
+            raise ValueError("mpi_wait must be 'sleep' or 'poll', got {!r}"
+                             .format(mpi_wait))
+        self.mpi_wait = mpi_wait
         check_thread_multiple(self.name)
         from mpi4py import MPI
         self._in_place = MPI.IN_PLACE
@@ -376,9 +387,11 @@ class Engine(object):
             if custom:
                 op(self.comm, buf)
             else:
-                # Sleeps between tests: MPICH's blocking call would poll
-                # the core that training shares (progress.py).
-                progress.allreduce(self.comm, buf, self._ops[op])
+                if self.mpi_wait == 'sleep':
+                    progress.allreduce(self.comm, buf, self._ops[op])
+                else:
+                    self.comm.Allreduce(self._in_place, buf,
+                                        op=self._ops[op])
             return True
         except Exception as e:  # reported to the waiting thread
             error = self._latch.record(e, handle)

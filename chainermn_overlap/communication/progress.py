@@ -41,28 +41,30 @@ def wait(requests, max_sleep=MAX_SLEEP):
         delay = min(delay * 2, max_sleep)
 
 
-def allreduce(comm, buf, op=None):
+def allreduce(comm, buf, op=None, mpi_wait='sleep'):
     """``buf`` (host memory) becomes its reduction over ``comm``, in place.
 
-    ``op`` is an ``MPI.Op`` (default ``MPI.SUM``).
+    ``op`` is an ``MPI.Op`` (default ``MPI.SUM``); ``mpi_wait='poll'``
+    makes the blocking call instead.
     """
     MPI = _mpi()
     op = MPI.SUM if op is None else op
-    if isinstance(comm, MPI.Comm):
+    if mpi_wait == 'sleep' and isinstance(comm, MPI.Comm):
         wait(comm.Iallreduce(MPI.IN_PLACE, buf, op=op))
     else:
         comm.Allreduce(MPI.IN_PLACE, buf, op=op)
 
 
-def allreduce_sum(comm, buf):
+def allreduce_sum(comm, buf, mpi_wait='sleep'):
     """``buf`` (host memory) becomes its sum over ``comm``, in place."""
-    allreduce(comm, buf)
+    allreduce(comm, buf, mpi_wait=mpi_wait)
 
 
-def sendrecv(comm, sendbuf, dest, recvbuf, source, tag):
-    """``Sendrecv`` (same tag both ways) that sleeps while it waits."""
+def sendrecv(comm, sendbuf, dest, recvbuf, source, tag, mpi_wait='sleep'):
+    """``Sendrecv`` (same tag both ways); with ``mpi_wait='sleep'`` it
+    sleeps while it waits."""
     MPI = _mpi()
-    if isinstance(comm, MPI.Comm):
+    if mpi_wait == 'sleep' and isinstance(comm, MPI.Comm):
         wait([comm.Irecv(recvbuf, source=source, tag=tag),
               comm.Isend(sendbuf, dest=dest, tag=tag)])
     else:

@@ -34,7 +34,7 @@ def chunk_bounds(n, parts):
     return bounds
 
 
-def ring_allreduce_mean(comm, buf, tag=0x52):
+def ring_allreduce_mean(comm, buf, tag=0x52, mpi_wait='sleep'):
     """Replaces ``buf`` (1-D, host memory) by the mean over ``comm``'s ranks.
 
     Args:
@@ -43,6 +43,8 @@ def ring_allreduce_mean(comm, buf, tag=0x52):
         buf (numpy.ndarray): contiguous 1-D array; any float dtype (float16
             on the wire is the point).
         tag (int): message tag, distinct from other traffic on ``comm``.
+        mpi_wait (str): ``'sleep'`` or ``'poll'``, how each step waits
+            (:mod:`.progress`).
     """
     size, rank = comm.Get_size(), comm.Get_rank()
     if size == 1:
@@ -62,13 +64,14 @@ def ring_allreduce_mean(comm, buf, tag=0x52):
         out = chunk[(rank - s) % size]
         into = chunk[(rank - s - 1) % size]
         got = recv[:len(into)]
-        progress.sendrecv(comm, out, right, got, left, tag)
+        progress.sendrecv(comm, out, right, got, left, tag, mpi_wait)
         # One pass where the fused kernel runs (float16 in, float32 sum).
         _kernels.add_into(into, got, acc, scale if s == size - 2 else None)
     # Allgather: pass the finished chunks around the ring.
     for s in range(size - 1):
         out = chunk[(rank + 1 - s) % size]
         into = chunk[(rank - s) % size]
-        progress.sendrecv(comm, out, right, into, left, tag + 1)
+        progress.sendrecv(comm, out, right, into, left, tag + 1,
+                          mpi_wait)
     return buf
 

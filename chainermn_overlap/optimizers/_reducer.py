@@ -11,6 +11,7 @@ started; then finished into the mean in place) through which the plain
 mean, low-precision wire formats and compression plug in without the
 tracker or the update policy knowing.
 """
+import functools
 import time
 
 import numpy
@@ -100,8 +101,12 @@ class LowPrecisionMean(BucketOperation):
     """
 
     def start(self, engine, bucket, label, slot, priority):
-        return engine.run(ring.ring_allreduce_mean, bucket.buffer,
-                          label=label, slot=slot, priority=priority)
+        # The ring moves the bucket's bytes: it waits as the engine's
+        # allreduces do.
+        fn = functools.partial(ring.ring_allreduce_mean,
+                               mpi_wait=getattr(engine, 'mpi_wait', 'poll'))
+        return engine.run(fn, bucket.buffer, label=label, slot=slot,
+                          priority=priority)
 
     def finish(self, bucket, size):
         pass  # the ring leaves the mean
@@ -114,6 +119,11 @@ class CompressedMean(BucketOperation):
     The decision is made from the compression's iteration count, the same
     on every rank.
     """
+
+    # Small allreduces whose waits are for the other ranks (their skew), not
+    # for bytes: sleeping leaves the core to training (progress.py).  None
+    # follows the engine.
+    mpi_wait = 'sleep'
 
     def __init__(self, compression, exact):
         self.compression = compression
@@ -128,8 +138,10 @@ class CompressedMean(BucketOperation):
         self._exact_buckets.discard(bucket.index)
         shapes = [p.shape for p in bucket.params]
 
+        mpi_wait = self.mpi_wait or getattr(engine, 'mpi_wait', 'poll')
+
         def reduce(comm, buf):
-            c.reduce_bucket(comm, bucket, shapes)
+            c.reduce_bucket(comm, bucket, shapes, mpi_wait)
         return engine.run(
             reduce, bucket.buffer, label='{} ({!r})'.format(label, c),
             slot=slot, priority=priority, stage=False,

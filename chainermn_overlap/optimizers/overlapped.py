@@ -38,6 +38,7 @@ from chainermn_overlap import _autosync
 from chainermn_overlap import _host
 from chainermn_overlap import config
 from chainermn_overlap.communication import backends
+from chainermn_overlap.communication.scheduler import DEFAULT_CHUNK_BYTES
 from chainermn_overlap.communication import timeline as timeline_module
 from chainermn_overlap.compression import PowerSGD
 from chainermn_overlap.hooks import taps
@@ -400,7 +401,9 @@ def create_overlapped_optimizer(
             optimizer (overlap with backward only, ChainerMN's state after
             every ``update()``).
         bucket_size (int or str): fusion bucket size, in bytes or as a
-            string such as ``'25MB'``.  Default 16 MiB.  With
+            string such as ``'25MB'``.  Default 16 MiB (with a float16
+            wire: the chunk size, 4 MiB, as the ring runs a bucket whole).
+            With
             ``wait='forward'`` the last four buckets (the first layers, which
             the next forward needs first) are limited to 1, 2, 4 and 8 MiB.
         zero_fill (bool): accepted for compatibility.  Missing gradients
@@ -456,9 +459,18 @@ def create_overlapped_optimizer(
     if wait not in ('forward', 'update'):
         raise ValueError("wait must be 'forward' or 'update', got {!r}"
                          .format(wait))
-    bucket_size = (DEFAULT_BUCKET_SIZE if bucket_size is None
-                   else config.parse_size(bucket_size))
     allreduce_grad_dtype = _wrapper.check_wire_dtype(allreduce_grad_dtype)
+    if bucket_size is not None:
+        bucket_size = config.parse_size(bucket_size)
+    elif (allreduce_grad_dtype is not None
+          and allreduce_grad_dtype.itemsize < 4 and compression is None):
+        # The float16 ring runs a bucket whole (the engine cannot slice
+        # it): buckets of one chunk keep what the next forward needs from
+        # waiting behind a large one.
+        bucket_size = (config.parse_size(chunk_size) if chunk_size
+                       is not None else DEFAULT_CHUNK_BYTES)
+    else:
+        bucket_size = DEFAULT_BUCKET_SIZE
     _wrapper.check_compression(compression, allreduce_grad_dtype)
     if backend is not None:
         backends.get_backend(backend)

@@ -282,3 +282,23 @@ def test_powersgd_bad_arguments(comm):
     with pytest.raises(TypeError, match='PowerSGD'):
         chainermn_overlap.create_overlapped_optimizer(
             chainer.optimizers.SGD(), comm, compression='powersgd')
+
+
+def test_float16_wire_buckets_default_to_one_chunk(comm):
+    # The float16 ring runs a bucket whole: by default its buckets are one
+    # chunk (4 MiB) so that an urgent bucket never waits behind a large
+    # one; an explicit bucket_size is kept.
+    def size_of(**options):
+        opt = chainermn_overlap.create_overlapped_optimizer(
+            chainer.optimizers.SGD(), comm, **options)
+        try:
+            return opt._overlap.layout.bucket_size
+        finally:
+            opt.close()
+    assert size_of(allreduce_grad_dtype=np.float16) == 4 * 2 ** 20
+    assert size_of(allreduce_grad_dtype=np.float16,
+                   chunk_size='1MiB') == 2 ** 20
+    assert size_of(allreduce_grad_dtype=np.float16,
+                   bucket_size='32MiB') == 32 * 2 ** 20
+    assert size_of() == chainermn_overlap.optimizers.overlapped \
+        .DEFAULT_BUCKET_SIZE

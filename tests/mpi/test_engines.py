@@ -412,3 +412,31 @@ def test_engines_share_one_constructor(name):
         engine.close()
     with pytest.raises(ValueError, match='timeout must be a number'):
         make(name, timeout='soon')
+
+
+@pytest.mark.parametrize('name', ENGINES)
+def test_both_ways_of_waiting_give_the_same_sums(name):
+    # mpi_wait='sleep' (Iallreduce tested between sleeps) and 'poll' (the
+    # blocking call): bit-identical sums, max and min included.
+    rng = np.random.RandomState(RANK)
+    data = [rng.randn(n).astype(np.float32) for n in (5, 1, 9, 4)]
+    results = {}
+    for mpi_wait in ('poll', 'sleep'):
+        engine = make(name, mpi_wait=mpi_wait)
+        try:
+            arrays = [d.copy() for d in data]
+            handles = [engine.allreduce(a, op, label='item {}'.format(i),
+                                        slot=(3, i, len(arrays)))
+                       for i, (a, op) in enumerate(zip(
+                           arrays, ('sum', 'max', 'min', 'sum')))]
+            for h in handles:
+                h.wait()
+            results[mpi_wait] = arrays
+        finally:
+            engine.close()
+    for a, b in zip(results['poll'], results['sleep']):
+        np.testing.assert_array_equal(a, b)
+    gathered = WORLD.allgather(data[1])
+    assert results['sleep'][1][0] == max(g[0] for g in gathered)
+    with pytest.raises(ValueError, match="mpi_wait must be 'sleep' or"):
+        make(name, mpi_wait='spin')
