@@ -27,9 +27,11 @@ tiling part needs root for the network test bed)::
     (tracemalloc).
 
 (b) Tiling (``tiling``): a stack of 3x3 convolutions (ReLU between) over a
-    grid (2, 1), the 2 ranks in separate network namespaces behind a veth
-    link with a ``netem`` delay (``--delays``, default 1, 3 and 5 ms one
-    way; ``benchmarks/netbed.py``), per-process blocks small enough that a
+    grid (2, 1), the 2 ranks in separate network namespaces behind a link
+    with a one-way delay (``--delays``, default 1, 3 and 5 ms;
+    ``benchmarks/netbed.py``: ``netem`` where the kernel has it, else a
+    TAP pair through a relay that holds each frame for the delay, as on
+    this kernel), per-process blocks small enough that a
     layer's interior computation is shorter than the delay (measured and
     recorded as ``layer_compute_s``). Settings, alternated round by round:
     layer by layer (distconv layers, overlapped exchange) and ``Tiled`` at
@@ -40,7 +42,7 @@ tiling part needs root for the network test bed)::
     time that implies at the measured per-layer cost). Then the tuner
     (``distconv.tune`` over ``tuner.depth_candidates``) chooses a depth on
     the same link; its choice and table are recorded. Without root, with
-    ``--no-netbed`` or on a kernel without ``netem`` (this one), the
+    ``--no-netbed``, or where neither delay method works, the
     tiling part runs over shared memory with the latency added in the
     processes' distconv message layer instead (each exchange completes
     ``delay`` after it is posted; computation in between hides it, as on a
@@ -426,11 +428,16 @@ def run_tiling(args):
                 why_not = str(e)
                 break
             run = _result(res, 'tiling over the test bed at %s' % delay)
+            method = desc.get('delay_method') or 'netem'
             run.update(link={'rate': args.rate, 'delay': delay,
                              'delay_s': desc['delay_s'],
+                             'delay_method': method,
+                             'rtt': desc.get('rtt'),
                              'tc_commands': desc['tc_commands']},
-                       label='2 ranks in network namespaces, veth with '
-                             'netem delay %s, MPICH over TCP' % delay)
+                       label='2 ranks in network namespaces, one-way delay '
+                             '%s per link (%s), MPICH over TCP'
+                             % (delay, 'netem' if method == 'netem' else
+                                'TAP pair through a delaying relay'))
             runs.append(run)
             _report(delay, run)
     if why_not is not None:
@@ -486,7 +493,7 @@ def main(argv=None):
     p.add_argument('--tile-channels', type=int, default=8)
     p.add_argument('--tile-layers', type=int, default=8)
     p.add_argument('--delays', default='1ms,3ms,5ms',
-                   help='one-way netem delays of the tiling part')
+                   help='one-way link delays of the tiling part')
     p.add_argument('--rate', default='1gbit')
     p.add_argument('--no-netbed', action='store_true',
                    help='tiling part over shared memory (no delay)')
