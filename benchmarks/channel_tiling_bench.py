@@ -28,7 +28,7 @@ tiling part needs root for the network test bed)::
 
 (b) Tiling (``tiling``): a stack of 3x3 convolutions (ReLU between) over a
     grid (2, 1), the 2 ranks in separate network namespaces behind a link
-    with a one-way delay (``--delays``, default 1, 3 and 5 ms;
+    with a one-way delay (``--delays``, default 1, 2, 3 and 5 ms;
     ``benchmarks/netbed.py``: ``netem`` where the kernel has it, else a
     TAP pair through a relay that holds each frame for the delay, as on
     this kernel), per-process blocks small enough that a
@@ -492,7 +492,7 @@ def main(argv=None):
                    'block per process at 2 processes)')
     p.add_argument('--tile-channels', type=int, default=8)
     p.add_argument('--tile-layers', type=int, default=8)
-    p.add_argument('--delays', default='1ms,3ms,5ms',
+    p.add_argument('--delays', default='1ms,2ms,3ms,5ms',
                    help='one-way link delays of the tiling part')
     p.add_argument('--rate', default='1gbit')
     p.add_argument('--no-netbed', action='store_true',
