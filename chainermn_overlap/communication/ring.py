@@ -11,9 +11,8 @@ rounds them; the scale by ``1 / size`` is folded into the last addition of
 each chunk before its owner rounds it, and the allgather hands every rank
 the owner's bits, so all ranks end with the same array, bit for bit.
 
-Each step waits without polling the core (:mod:`.progress`): ranks out of
-step would otherwise spin in MPICH's blocking calls on a core that
-training shares.  Traffic per rank is the ring's ``2 (P-1)/P`` times the
+Each step waits as the engine running it does (``mpi_wait``: MPI's
+blocking call, or tests between sleeps, :mod:`.progress`).  Traffic per rank is the ring's ``2 (P-1)/P`` times the
 buffer, as MPI's large-message allreduce; the float32 accumulator is one
 chunk.
 """
