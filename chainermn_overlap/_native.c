@@ -299,35 +299,74 @@ k_orthogonalize(float *P, Py_ssize_t n, Py_ssize_t r, double eps)
 /* ------------------------------------------------------------------ */
 /* Python entry points                                                 */
 
+/* One buffer argument of an entry point. */
+typedef struct {
+    PyObject *obj;
+    int writable;
+    char format;        /* 'f' float32, 'e' float16 */
+    const char *name;
+    Py_ssize_t count;   /* expected elements; -1: any */
+    int optional;       /* None allowed (the kernel gets NULL) */
+} arg_t;
+
+static void
+release(Py_buffer *v, int k)
+{
+    for (int i = 0; i < k; i++)
+        if (v[i].obj != NULL)
+            PyBuffer_Release(&v[i]);
+}
+
+/* Gets every buffer and checks its element count; on failure releases what
+ * it got and returns -1 with the error set. */
+static int
+acquire(const arg_t *a, Py_buffer *v, int k)
+{
+    for (int i = 0; i < k; i++)
+        v[i].obj = NULL;
+    for (int i = 0; i < k; i++) {
+        if (a[i].optional && a[i].obj == Py_None)
+            continue;
+        if (get_buffer(a[i].obj, &v[i], a[i].writable, a[i].format,
+                       a[i].name) < 0
+                || (a[i].count >= 0
+                    && check_count(&v[i], a[i].count, a[i].name) < 0)) {
+            release(v, k);
+            return -1;
+        }
+    }
+    return 0;
+}
+
+#define BUF(v, type) ((v).obj != NULL ? (type)(v).buf : NULL)
+
 /* One conversion entry point: src (src_fmt) -> dst (dst_fmt), same count. */
 static PyObject *
 convert(PyObject *args, const char *spec, char src_fmt, char dst_fmt,
         int to_half)
 {
     PyObject *so, *do_;
-    Py_buffer s, d;
+    Py_buffer v[2];
     if (!PyArg_ParseTuple(args, spec, &so, &do_))
         return NULL;
-    if (require_available() < 0 || get_buffer(so, &s, 0, src_fmt, "src") < 0)
+    arg_t a[] = {{so, 0, src_fmt, "src", -1, 0},
+                 {do_, 1, dst_fmt, "dst", -1, 0}};
+    if (require_available() < 0 || acquire(a, v, 2) < 0)
         return NULL;
-    if (get_buffer(do_, &d, 1, dst_fmt, "dst") < 0) {
-        PyBuffer_Release(&s);
+    Py_ssize_t n = count(&v[0]);
+    if (check_count(&v[1], n, "dst") < 0) {
+        release(v, 2);
         return NULL;
     }
-    if (check_count(&d, count(&s), "dst") == 0) {
 #ifdef CMO_X86
-        Py_BEGIN_ALLOW_THREADS
-        if (to_half)
-            k_f32_to_f16((const float *)s.buf, (uint16_t *)d.buf, count(&s));
-        else
-            k_f16_to_f32((const uint16_t *)s.buf, (float *)d.buf, count(&s));
-        Py_END_ALLOW_THREADS
+    Py_BEGIN_ALLOW_THREADS
+    if (to_half)
+        k_f32_to_f16((const float *)v[0].buf, (uint16_t *)v[1].buf, n);
+    else
+        k_f16_to_f32((const uint16_t *)v[0].buf, (float *)v[1].buf, n);
+    Py_END_ALLOW_THREADS
 #endif
-    }
-    PyBuffer_Release(&s);
-    PyBuffer_Release(&d);
-    if (PyErr_Occurred())
-        return NULL;
+    release(v, 2);
     Py_RETURN_NONE;
 }
 
@@ -348,36 +387,27 @@ py_add_f16(PyObject *self, PyObject *args)
 {
     PyObject *ao, *bo, *oo;
     double scale = 1.0;
-    Py_buffer a, b, o;
+    Py_buffer v[3];
     if (!PyArg_ParseTuple(args, "OOO|d:add_f16", &ao, &bo, &oo, &scale))
         return NULL;
-    if (require_available() < 0 || get_buffer(ao, &a, 0, 'e', "a") < 0)
+    arg_t a[] = {{ao, 0, 'e', "a", -1, 0}, {bo, 0, 'e', "b", -1, 0},
+                 {oo, 1, 'e', "out", -1, 0}};
+    if (require_available() < 0 || acquire(a, v, 3) < 0)
         return NULL;
-    if (get_buffer(bo, &b, 0, 'e', "b") < 0) {
-        PyBuffer_Release(&a);
-        return NULL;
-    }
-    if (get_buffer(oo, &o, 1, 'e', "out") < 0) {
-        PyBuffer_Release(&a);
-        PyBuffer_Release(&b);
+    Py_ssize_t n = count(&v[0]);
+    if (check_count(&v[1], n, "b") < 0 || check_count(&v[2], n, "out") < 0) {
+        release(v, 3);
         return NULL;
     }
-    Py_ssize_t n = count(&a);
-    if (check_count(&b, n, "b") == 0 && check_count(&o, n, "out") == 0) {
 #ifdef CMO_X86
-        float s = (float)scale;
-        int scaled = scale != 1.0;
-        Py_BEGIN_ALLOW_THREADS
-        k_add_f16((const uint16_t *)a.buf, (const uint16_t *)b.buf,
-                  (uint16_t *)o.buf, n, s, scaled);
-        Py_END_ALLOW_THREADS
+    float s = (float)scale;
+    int scaled = scale != 1.0;
+    Py_BEGIN_ALLOW_THREADS
+    k_add_f16((const uint16_t *)v[0].buf, (const uint16_t *)v[1].buf,
+              (uint16_t *)v[2].buf, n, s, scaled);
+    Py_END_ALLOW_THREADS
 #endif
-    }
-    PyBuffer_Release(&a);
-    PyBuffer_Release(&b);
-    PyBuffer_Release(&o);
-    if (PyErr_Occurred())
-        return NULL;
+    release(v, 3);
     Py_RETURN_NONE;
 }
 
@@ -398,43 +428,23 @@ py_ef_project(PyObject *self, PyObject *args)
 {
     PyObject *mo, *eo, *qo, *po;
     Py_ssize_t n, m, r;
-    Py_buffer M, E, Q, P;
-    int have_e;
+    Py_buffer v[4];
     if (!PyArg_ParseTuple(args, "OOOOnnn:ef_project", &mo, &eo, &qo, &po,
                           &n, &m, &r))
         return NULL;
     if (require_available() < 0 || check_rank(n, m, r) < 0)
         return NULL;
-    have_e = eo != Py_None;
-    if (get_buffer(mo, &M, 1, 'f', "M") < 0)
+    arg_t a[] = {{mo, 1, 'f', "M", n * m, 0}, {eo, 0, 'f', "E", n * m, 1},
+                 {qo, 0, 'f', "Qt", r * m, 0}, {po, 1, 'f', "P", n * r, 0}};
+    if (acquire(a, v, 4) < 0)
         return NULL;
-    if (have_e && get_buffer(eo, &E, 0, 'f', "E") < 0)
-        goto fail_m;
-    if (get_buffer(qo, &Q, 0, 'f', "Qt") < 0)
-        goto fail_e;
-    if (get_buffer(po, &P, 1, 'f', "P") < 0)
-        goto fail_q;
-    if (check_count(&M, n * m, "M") == 0
-            && (!have_e || check_count(&E, n * m, "E") == 0)
-            && check_count(&Q, r * m, "Qt") == 0
-            && check_count(&P, n * r, "P") == 0) {
 #ifdef CMO_X86
-        Py_BEGIN_ALLOW_THREADS
-        k_ef_project((float *)M.buf, have_e ? (const float *)E.buf : NULL,
-                     (const float *)Q.buf, (float *)P.buf, n, m, r);
-        Py_END_ALLOW_THREADS
+    Py_BEGIN_ALLOW_THREADS
+    k_ef_project((float *)v[0].buf, BUF(v[1], const float *),
+                 (const float *)v[2].buf, (float *)v[3].buf, n, m, r);
+    Py_END_ALLOW_THREADS
 #endif
-    }
-    PyBuffer_Release(&P);
-fail_q:
-    PyBuffer_Release(&Q);
-fail_e:
-    if (have_e)
-        PyBuffer_Release(&E);
-fail_m:
-    PyBuffer_Release(&M);
-    if (PyErr_Occurred())
-        return NULL;
+    release(v, 4);
     Py_RETURN_NONE;
 }
 
@@ -443,42 +453,28 @@ py_reconstruct(PyObject *self, PyObject *args)
 {
     PyObject *mo, *eo, *po, *qo;
     Py_ssize_t n, m, r;
-    Py_buffer M, E, P, Q;
+    Py_buffer v[4];
     if (!PyArg_ParseTuple(args, "OOOOnnn:reconstruct", &mo, &eo, &po, &qo,
                           &n, &m, &r))
         return NULL;
     if (require_available() < 0 || check_rank(n, m, r) < 0)
         return NULL;
-    if (get_buffer(mo, &M, 1, 'f', "M") < 0)
+    arg_t a[] = {{mo, 1, 'f', "M", n * m, 0}, {eo, 1, 'f', "E", n * m, 0},
+                 {po, 0, 'f', "P", n * r, 0}, {qo, 0, 'f', "Qt", r * m, 0}};
+    if (acquire(a, v, 4) < 0)
         return NULL;
-    if (get_buffer(eo, &E, 1, 'f', "E") < 0)
-        goto fail_m;
-    if (get_buffer(po, &P, 0, 'f', "P") < 0)
-        goto fail_e;
-    if (get_buffer(qo, &Q, 0, 'f', "Qt") < 0)
-        goto fail_p;
-    if (M.buf == E.buf && n * m > 0) {
+    if (v[0].buf == v[1].buf && n * m > 0) {
+        release(v, 4);
         PyErr_SetString(PyExc_ValueError, "M and E must not overlap");
-    } else if (check_count(&M, n * m, "M") == 0
-            && check_count(&E, n * m, "E") == 0
-            && check_count(&P, n * r, "P") == 0
-            && check_count(&Q, r * m, "Qt") == 0) {
-#ifdef CMO_X86
-        Py_BEGIN_ALLOW_THREADS
-        k_reconstruct((float *)M.buf, (float *)E.buf, (const float *)P.buf,
-                      (const float *)Q.buf, n, m, r);
-        Py_END_ALLOW_THREADS
-#endif
-    }
-    PyBuffer_Release(&Q);
-fail_p:
-    PyBuffer_Release(&P);
-fail_e:
-    PyBuffer_Release(&E);
-fail_m:
-    PyBuffer_Release(&M);
-    if (PyErr_Occurred())
         return NULL;
+    }
+#ifdef CMO_X86
+    Py_BEGIN_ALLOW_THREADS
+    k_reconstruct((float *)v[0].buf, (float *)v[1].buf,
+                  (const float *)v[2].buf, (const float *)v[3].buf, n, m, r);
+    Py_END_ALLOW_THREADS
+#endif
+    release(v, 4);
     Py_RETURN_NONE;
 }
 
@@ -487,34 +483,23 @@ py_project_t(PyObject *self, PyObject *args)
 {
     PyObject *mo, *po, *qo;
     Py_ssize_t n, m, r;
-    Py_buffer M, P, Q;
+    Py_buffer v[3];
     if (!PyArg_ParseTuple(args, "OOOnnn:project_t", &mo, &po, &qo, &n, &m,
                           &r))
         return NULL;
     if (require_available() < 0 || check_rank(n, m, r) < 0)
         return NULL;
-    if (get_buffer(mo, &M, 0, 'f', "M") < 0)
+    arg_t a[] = {{mo, 0, 'f', "M", n * m, 0}, {po, 0, 'f', "P", n * r, 0},
+                 {qo, 1, 'f', "Qt", r * m, 0}};
+    if (acquire(a, v, 3) < 0)
         return NULL;
-    if (get_buffer(po, &P, 0, 'f', "P") < 0)
-        goto fail_m;
-    if (get_buffer(qo, &Q, 1, 'f', "Qt") < 0)
-        goto fail_p;
-    if (check_count(&M, n * m, "M") == 0 && check_count(&P, n * r, "P") == 0
-            && check_count(&Q, r * m, "Qt") == 0) {
 #ifdef CMO_X86
-        Py_BEGIN_ALLOW_THREADS
-        k_project_t((const float *)M.buf, (const float *)P.buf,
-                    (float *)Q.buf, n, m, r);
-        Py_END_ALLOW_THREADS
+    Py_BEGIN_ALLOW_THREADS
+    k_project_t((const float *)v[0].buf, (const float *)v[1].buf,
+                (float *)v[2].buf, n, m, r);
+    Py_END_ALLOW_THREADS
 #endif
-    }
-    PyBuffer_Release(&Q);
-fail_p:
-    PyBuffer_Release(&P);
-fail_m:
-    PyBuffer_Release(&M);
-    if (PyErr_Occurred())
-        return NULL;
+    release(v, 3);
     Py_RETURN_NONE;
 }
 
@@ -524,23 +509,20 @@ py_orthogonalize(PyObject *self, PyObject *args)
     PyObject *po;
     Py_ssize_t n, r;
     double eps;
-    Py_buffer P;
+    Py_buffer v[1];
     if (!PyArg_ParseTuple(args, "Onnd:orthogonalize", &po, &n, &r, &eps))
         return NULL;
     if (n < 0 || r < 0) {
         PyErr_SetString(PyExc_ValueError, "negative shape");
         return NULL;
     }
-    if (get_buffer(po, &P, 1, 'f', "P") < 0)
+    arg_t a[] = {{po, 1, 'f', "P", n * r, 0}};
+    if (acquire(a, v, 1) < 0)
         return NULL;
-    if (check_count(&P, n * r, "P") == 0) {
-        Py_BEGIN_ALLOW_THREADS
-        k_orthogonalize((float *)P.buf, n, r, eps);
-        Py_END_ALLOW_THREADS
-    }
-    PyBuffer_Release(&P);
-    if (PyErr_Occurred())
-        return NULL;
+    Py_BEGIN_ALLOW_THREADS
+    k_orthogonalize((float *)v[0].buf, n, r, eps);
+    Py_END_ALLOW_THREADS
+    release(v, 1);
     Py_RETURN_NONE;
 }
 
