@@ -341,18 +341,12 @@ class NetBed(object):
             _run(['ip', 'link', 'add', 'eth0', 'netns', a, 'type', 'veth',
                   'peer', 'name', 'eth0', 'netns', b])
         else:
-            sw = self.switch
-            self._netns_add(sw)
-            _run(['ip', '-n', sw, 'link', 'add', 'br0', 'type', 'bridge'])
-            _run(['ip', '-n', sw, 'link', 'set', 'br0', 'up'])
+            sw = self._make_switch()
             for r, ns in enumerate(self.namespaces):
                 port = 'p{}'.format(r)
                 _run(['ip', 'link', 'add', 'eth0', 'netns', ns, 'type',
                       'veth', 'peer', 'name', port, 'netns', sw])
-                _run(['ip', '-n', sw, 'link', 'set', port, 'master', 'br0'])
-                _run(['ip', '-n', sw, 'link', 'set', port, 'up'])
-                # The switch port's egress is the rank's download direction.
-                self._shape(sw, port)
+                self._attach_port(port)
         for ns, addr in zip(self.namespaces, self.addresses):
             _run(['ip', '-n', ns, 'addr', 'add', addr + '/24', 'dev', 'eth0'])
             _run(['ip', '-n', ns, 'link', 'set', 'eth0', 'up'])
@@ -360,6 +354,22 @@ class NetBed(object):
         if self.delay_method == 'relay':
             self._start_relay()
         self._wait_until_running()
+
+    def _make_switch(self):
+        """The switch namespace with its bridge, up; returns its name."""
+        sw = self.switch
+        self._netns_add(sw)
+        _run(['ip', '-n', sw, 'link', 'add', 'br0', 'type', 'bridge'])
+        _run(['ip', '-n', sw, 'link', 'set', 'br0', 'up'])
+        return sw
+
+    def _attach_port(self, port):
+        """Puts a switch-side interface on the bridge, up and shaped."""
+        sw = self.switch
+        _run(['ip', '-n', sw, 'link', 'set', port, 'master', 'br0'])
+        _run(['ip', '-n', sw, 'link', 'set', port, 'up'])
+        # The switch port's egress is the rank's download direction.
+        self._shape(sw, port)
 
     # -- the relay (a delay without netem) ---------------------------------
 
@@ -381,16 +391,11 @@ class NetBed(object):
             a, b = self.namespaces
             self._relay_pairs.append('{}:eth0={}:eth0'.format(a, b))
             return
-        sw = self.switch
-        self._netns_add(sw)
-        _run(['ip', '-n', sw, 'link', 'add', 'br0', 'type', 'bridge'])
-        _run(['ip', '-n', sw, 'link', 'set', 'br0', 'up'])
+        sw = self._make_switch()
         for r, ns in enumerate(self.namespaces):
             port = 'p{}'.format(r)
             self._tap(sw, port)
-            _run(['ip', '-n', sw, 'link', 'set', port, 'master', 'br0'])
-            _run(['ip', '-n', sw, 'link', 'set', port, 'up'])
-            self._shape(sw, port)
+            self._attach_port(port)
             self._relay_pairs.append('{}:eth0={}:{}'.format(ns, sw, port))
 
     def _start_relay(self, timeout=10.0):
