@@ -107,7 +107,11 @@ Channel and filter parallelism (``SpatialGrid(comm, shape, channels=C)``):
     the channel axis and returns every output channel (with
     ``split_output=True`` it reduce-scatters them and returns its block of
     the output channels, so that what follows runs on 1/C of them;
-    :func:`gather_channels` makes a block whole again). A ``'filter'``
+    :func:`gather_channels` makes a block whole again, and a ``'filter'``
+    layer with ``split_input=True`` gathers its input blocks itself). On a
+    grid of whole samples (``prod(shape) == 1``) these two overlap their
+    channel messages with the products of the other blocks
+    (:mod:`.channel_conv`, ``grid.channel_overlap``). A ``'filter'``
     layer feeds a ``'channel'`` one directly; ``BatchNormalization(grid,
     size, channel_split=True)`` normalises a channel-split tensor with
     global statistics; element-wise functions and poolings work on either.

@@ -21,6 +21,7 @@ import chainer.functions as F
 import numpy
 
 from chainermn_overlap.distconv import _comm
+from chainermn_overlap.distconv import channel_conv
 from chainermn_overlap.distconv import channels as channels_mod
 from chainermn_overlap.distconv import exchange
 from chainermn_overlap.distconv import geometry
@@ -209,7 +210,8 @@ def convolution_nd(grid: SpatialGrid, x: Input, W: Input,
                    dilate: IntOrTuple = 1, groups: int = 1,
                    _layer: Optional[str] = None, split: str = 'spatial',
                    _totals: Optional[tuple] = None,
-                   split_output: bool = False) -> chainer.Variable:
+                   split_output: bool = False,
+                   split_input: bool = False) -> chainer.Variable:
     """Spatially distributed N-dimensional convolution.
 
     Mirrors :func:`chainer.functions.convolution_nd` with the grid first.
@@ -246,6 +248,19 @@ def convolution_nd(grid: SpatialGrid, x: Input, W: Input,
             functions) runs on the block instead of on a whole copy per
             channel coordinate; :func:`gather_channels` makes it whole
             again where a ``'filter'`` layer needs it.
+        split_input (bool): Only with ``split='filter'``: ``x`` is this
+            process's block of the input channels (channels split, as a
+            ``split_output`` layer returns them), and the layer gathers the
+            blocks itself: W is the same block of output channels over all
+            ``C`` input channels. The result equals
+            :func:`gather_channels` followed by the ``'filter'`` layer.
+
+    With one process per sample group (``grid.spatial_size == 1``),
+    ``split_output`` and ``split_input`` layers overlap their channel
+    messages with the products of the other blocks
+    (:mod:`~chainermn_overlap.distconv.channel_conv`) unless
+    ``grid.channel_overlap`` is False; spatially split grids run the
+    convolution and the collective one after the other.
 
     Returns:
         chainer.Variable: This process's block of the output (its block of
@@ -259,10 +274,15 @@ def convolution_nd(grid: SpatialGrid, x: Input, W: Input,
         raise ValueError("%s: split must be 'spatial', 'filter' or "
                          "'channel', got %r" % (layer, split))
     split_output = bool(split_output)
+    split_input = bool(split_input)
     if split_output and split != 'channel':
         raise ValueError("%s: split_output=True needs split='channel' (got "
                          "split=%r): only partial sums over input channel "
                          "blocks can be reduce-scattered." % (layer, split))
+    if split_input and split != 'filter':
+        raise ValueError("%s: split_input=True needs split='filter' (got "
+                         "split=%r): a 'channel' layer takes split input "
+                         "channels already." % (layer, split))
     x = chainer.as_variable(x)
     W = chainer.as_variable(W)
     if split == 'spatial':
@@ -274,10 +294,16 @@ def convolution_nd(grid: SpatialGrid, x: Input, W: Input,
     else:
         wsig, bsig = (_totals, _shape_of(W)[:1] + _shape_of(W)[2:]), \
             _shape_of(b)
-    sig = (layer, split, split_output, wsig, bsig, repr(stride), repr(pad),
-           bool(cover_all), repr(dilate), repr(groups))
-    layout = grid.check_spatial(x, layer, sig,
-                                channel_split=(split == 'channel'))
+    fuse = (grid.channel_overlap and grid.channels > 1
+            and grid.spatial_size == 1 and (split_output or split_input))
+    # Whether gradients are needed decides which messages the overlapped
+    # nodes exchange in backward, so it must agree along the channel axis.
+    needs = (x.requires_grad, W.requires_grad) if fuse else ()
+    sig = (layer, split, split_output, split_input, wsig, bsig, repr(stride),
+           repr(pad), bool(cover_all), repr(dilate), repr(groups), fuse,
+           needs)
+    layout = grid.check_spatial(
+        x, layer, sig, channel_split=(split == 'channel' or split_input))
     ndim = grid.ndim
     if W.ndim != 2 + ndim:
         raise ValueError('%s: W must have shape (C_out, C_in/groups, %d '
@@ -298,6 +324,24 @@ def convolution_nd(grid: SpatialGrid, x: Input, W: Input,
     c_out, c_in = W.shape[0], W.shape[1] * groups
     if split == 'channel':
         c_in = x.shape[1]
+    if split_input:
+        if W.shape[1] != layout.channels:
+            raise ValueError(
+                "%s: split_input=True needs W over all %d input channels "
+                "(the input's blocks summed over the channel axis), got W "
+                "%r. Give the layer in_channels=%d."
+                % (layer, layout.channels, W.shape, layout.channels))
+        if fuse:
+            grid.stats['exchange_none'] += 1
+            grid.stats['channel_overlapped'] += 1
+            args = (x, W) if b is None else (x, W, b)
+            return channel_conv.GatherConvolution(
+                grid, layout.channels, ksize, stride, pad, dilate,
+                cover_all).apply(args)[0]
+        if grid.channels > 1:
+            x = channels_mod.gather_channels(grid, x)
+        c_in = x.shape[1]
+        layout = layout._replace(channels=c_in)
     if x.shape[1] != c_in or c_out % groups:
         raise ValueError(
             '%s: input has %d channels%s but W %r with groups=%d expects %d '
@@ -313,6 +357,13 @@ def convolution_nd(grid: SpatialGrid, x: Input, W: Input,
             % (layer, W.shape, x.shape[1], grid.channel_rank))
     reduce_channels = split == 'channel' and grid.channels > 1
     b_in = None if reduce_channels else b
+    if fuse and split_output:
+        grid.stats['exchange_none'] += 1
+        grid.stats['channel_overlapped'] += 1
+        y = channel_conv.ScatterConvolution(
+            grid, c_out, ksize, stride, pad, dilate, cover_all).apply(
+                (x, W))[0]
+        return _add_bias_block(grid, y, b, c_out)
 
     def op(x_in, in_box):
         # in_box None: whole samples, the layer's own padding (1 process
@@ -342,14 +393,19 @@ def _reduce_partial_sums(grid, y, b, c_out, split_output):
     """
     if split_output:
         y = channels_mod.ChannelBlockOfSum(grid, c_out).apply((y,))[0]
-        if b is not None:
-            lo, hi = grid.channel_range(c_out)
-            y = F.bias(y, b[lo:hi], axis=1)
-        return y
+        return _add_bias_block(grid, y, b, c_out)
     y = channels_mod.ChannelAllreduce(grid).apply((y,))[0]
     if b is not None:
         y = F.bias(y, b, axis=1)
     return y
+
+
+def _add_bias_block(grid, y, b, c_out):
+    """Adds this coordinate's block of a whole bias ``b`` (if any)."""
+    if b is None:
+        return y
+    lo, hi = grid.channel_range(c_out)
+    return F.bias(y, b[lo:hi], axis=1)
 
 
 def convolution_2d(grid: SpatialGrid, x: Input, W: Input,
@@ -358,13 +414,14 @@ def convolution_2d(grid: SpatialGrid, x: Input, W: Input,
                    dilate: IntOrTuple = 1, groups: int = 1,
                    _layer: Optional[str] = None, split: str = 'spatial',
                    _totals: Optional[tuple] = None,
-                   split_output: bool = False) -> chainer.Variable:
+                   split_output: bool = False,
+                   split_input: bool = False) -> chainer.Variable:
     """Spatially distributed 2-D convolution (see :func:`convolution_nd`)."""
     layer = _layer or 'distconv.convolution_2d'
     _check_grid_ndim(grid, 2, layer)
     return convolution_nd(grid, x, W, b, stride, pad, cover_all, dilate,
                           groups, _layer=layer, split=split, _totals=_totals,
-                          split_output=split_output)
+                          split_output=split_output, split_input=split_input)
 
 
 def _pool_args(grid, layer, ksize, stride, pad):

@@ -100,6 +100,14 @@ class SpatialGrid(object):
         channels (int): Processes along the channel axis (default 1): the
             processes that hold different channel blocks (or filter
             blocks) of the same samples and spatial block.
+        channel_overlap (bool): If True (default), convolutions with
+            ``split_output`` or ``split_input`` on a grid of whole samples
+            (``prod(shape) == 1``) send each channel block's data as soon
+            as it is computed and compute the other blocks meanwhile
+            (:mod:`~chainermn_overlap.distconv.channel_conv`); if False
+            they run a Chainer convolution and a collective one after the
+            other. Same on every process; can be changed between
+            iterations through the attribute of the same name.
 
     Attributes:
         shape (tuple of int): The grid shape.
@@ -122,6 +130,7 @@ class SpatialGrid(object):
             gradients of channel-split parameters are reduced over it.
         coords (tuple of int): This process's grid coordinates.
         overlap (bool): See the argument.
+        channel_overlap (bool): See the argument.
         progress_pieces (int): See the argument; can be changed between
             iterations (the same on every process).
         progress_min_cells (int): See the argument; likewise.
@@ -130,8 +139,9 @@ class SpatialGrid(object):
             checks), ``exchange_overlapped``/``exchange_blocking``/
             ``exchange_none`` (window operations by path; a grid with one
             process per sample group runs every one directly, counted as
-            ``exchange_none``), ``forward_wait_s``/``backward_wait_s``
-            (time blocked waiting for halo messages, i.e. communication not
+            ``exchange_none``), ``channel_overlapped`` (convolutions run by
+            the overlapped channel nodes), ``forward_wait_s``/
+            ``backward_wait_s`` (time blocked waiting for halo messages, i.e. communication not
             hidden by computation), ``progress_calls``, and, for the
             overlapped path, ``forward_halos``/``backward_halos``
             (exchanges with messages) and ``forward_halos_ready``/
@@ -143,7 +153,7 @@ class SpatialGrid(object):
                  overlap: bool = True, check: str = 'cached',
                  progress_pieces: int = 4,
                  progress_min_cells: int = 32768,
-                 channels: int = 1) -> None:
+                 channels: int = 1, channel_overlap: bool = True) -> None:
         mpi_comm = getattr(comm, 'mpi_comm', comm)
         try:
             shape = tuple(int(s) for s in shape)
@@ -196,6 +206,7 @@ class SpatialGrid(object):
                 'got %r' % (check,))
         self.check = check
         self.overlap = bool(overlap)
+        self.channel_overlap = bool(channel_overlap)
         for name, value in (('progress_pieces', progress_pieces),
                             ('progress_min_cells', progress_min_cells)):
             if not isinstance(value, (int, numpy.integer)) or value < 1:

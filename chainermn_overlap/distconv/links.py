@@ -31,13 +31,17 @@ def _layer_name(link, kind):
 
 
 def _check_split_args(layer, split, in_channels, out_channels, ksize,
-                      groups, split_output=False):
+                      groups, split_output=False, split_input=False):
     if split not in ('spatial', 'filter', 'channel'):
         raise ValueError("%s: split must be 'spatial', 'filter' or "
                          "'channel', got %r" % (layer, split))
     if split_output and split != 'channel':
         raise ValueError("%s: split_output=True needs split='channel' (got "
                          'split=%r).' % (layer, split))
+    if split_input and split != 'filter':
+        raise ValueError("%s: split_input=True needs split='filter' (got "
+                         "split=%r); a 'channel' layer takes split input "
+                         'channels already.' % (layer, split))
     if split != 'spatial':
         if in_channels is None or out_channels is None or ksize is None:
             raise ValueError(
@@ -122,6 +126,11 @@ class Convolution2D(L.Convolution2D):
             channels instead of all of them (see
             :func:`~chainermn_overlap.distconv.functions.convolution_nd`);
             the parameters are the same blocks.
+        split_input (bool): With ``split='filter'``: take this process's
+            block of the input channels (as a ``split_output`` layer
+            returns it) and gather the blocks inside the layer, equal to
+            :func:`~chainermn_overlap.distconv.gather_channels` followed
+            by the layer; the parameters are the same blocks.
     """
 
     def __init__(self, grid: SpatialGrid, in_channels: Optional[int],
@@ -130,19 +139,22 @@ class Convolution2D(L.Convolution2D):
                  pad: IntOrTuple = 0, nobias: bool = False, initialW=None,
                  initial_bias=None, dilate: IntOrTuple = 1,
                  groups: int = 1, split: str = 'spatial',
-                 split_output: bool = False) -> None:
+                 split_output: bool = False,
+                 split_input: bool = False) -> None:
         if grid.ndim != 2:
             raise ValueError(
                 'distconv.Convolution2D needs a 2-D grid, got %r. Use '
                 'distconv.ConvolutionND for %d-D data.'
                 % (grid.shape, grid.ndim))
         _check_split_args('distconv.Convolution2D', split, in_channels,
-                          out_channels, ksize, groups, split_output)
+                          out_channels, ksize, groups, split_output,
+                          split_input)
         super(Convolution2D, self).__init__(
             in_channels, out_channels, ksize, stride, pad, nobias, initialW,
             initial_bias, dilate=dilate, groups=groups)
         self.grid = grid
         self.split_output = bool(split_output)
+        self.split_input = bool(split_input)
         _split_conv_params(self, split, in_channels, out_channels)
 
     def forward(self, x: Input) -> chainer.Variable:
@@ -152,7 +164,8 @@ class Convolution2D(L.Convolution2D):
             self.grid, x, self.W, self.b, self.stride, self.pad,
             dilate=self.dilate, groups=self.groups,
             _layer=_layer_name(self, 'Convolution2D'), split=self.split,
-            _totals=self._totals, split_output=self.split_output)
+            _totals=self._totals, split_output=self.split_output,
+            split_input=self.split_input)
 
     def serial_blocks(self) -> dict:
         """Which block of the single-process parameters this link holds.
@@ -184,7 +197,7 @@ class ConvolutionND(L.ConvolutionND):
         in_channels, out_channels, ksize, stride, pad, nobias, initialW,
         initial_bias, cover_all, dilate, groups: As in Chainer.
         split (str): See :class:`Convolution2D`.
-        split_output (bool): See :class:`Convolution2D`.
+        split_output, split_input (bool): See :class:`Convolution2D`.
     """
 
     def __init__(self, grid: SpatialGrid, ndim: int,
@@ -193,19 +206,22 @@ class ConvolutionND(L.ConvolutionND):
                  pad: IntOrTuple = 0, nobias: bool = False, initialW=None,
                  initial_bias=None, cover_all: bool = False,
                  dilate: IntOrTuple = 1, groups: int = 1,
-                 split: str = 'spatial', split_output: bool = False) -> None:
+                 split: str = 'spatial', split_output: bool = False,
+                 split_input: bool = False) -> None:
         if grid.ndim != ndim:
             raise ValueError(
                 'distconv.ConvolutionND: ndim=%d but the grid %r has %d '
                 'dimensions. Use a grid with one entry per spatial '
                 'dimension.' % (ndim, grid.shape, grid.ndim))
         _check_split_args('distconv.ConvolutionND', split, in_channels,
-                          out_channels, ksize, groups, split_output)
+                          out_channels, ksize, groups, split_output,
+                          split_input)
         super(ConvolutionND, self).__init__(
             ndim, in_channels, out_channels, ksize, stride, pad, nobias,
             initialW, initial_bias, cover_all, dilate, groups)
         self.grid = grid
         self.split_output = bool(split_output)
+        self.split_input = bool(split_input)
         _split_conv_params(self, split, in_channels, out_channels)
 
     def forward(self, x: Input) -> chainer.Variable:
@@ -215,7 +231,8 @@ class ConvolutionND(L.ConvolutionND):
             self.grid, x, self.W, self.b, self.stride, self.pad,
             self.cover_all, self.dilate, self.groups,
             _layer=_layer_name(self, 'ConvolutionND'), split=self.split,
-            _totals=self._totals, split_output=self.split_output)
+            _totals=self._totals, split_output=self.split_output,
+            split_input=self.split_input)
 
     serial_blocks = Convolution2D.serial_blocks
     reduction_groups = Convolution2D.reduction_groups

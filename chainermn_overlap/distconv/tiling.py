@@ -220,6 +220,14 @@ class _Step(object):
         self.name = name
 
 
+def _no_split_input(split_input, name):
+    if split_input:
+        raise ValueError(
+            'distconv.Tiled: layer %s has split_input=True; a tile runs on '
+            'one channel layout. Put distconv.gather_channels before the '
+            'stack and use split_input=False.' % name)
+
+
 def _conv_step(grid, W, b, stride, pad, dilate, cover_all, groups, split,
                name, split_output=False):
     nd = grid.ndim
@@ -348,6 +356,7 @@ def describe_layer(grid: SpatialGrid, layer: Any, index: int = 0) -> _Step:
             raise ValueError(
                 'distconv.Tiled: layer %s is not initialised; give it '
                 'in_channels.' % name)
+        _no_split_input(getattr(layer, 'split_input', False), name)
         cover_all = getattr(layer, 'cover_all', False)
         step = _conv_step(grid, lambda: layer.W, lambda: layer.b,
                           layer.stride, layer.pad, layer.dilate, cover_all,
@@ -389,6 +398,7 @@ def describe_layer(grid: SpatialGrid, layer: Any, index: int = 0) -> _Step:
         if 'W' not in args:
             raise ValueError('distconv.Tiled: bind W (and b) in the '
                              'convolution partial of layer %s.' % name)
+        _no_split_input(d.get('split_input', False), name)
         W = chainer.as_variable(d['W'])
         b = None if d.get('b') is None else chainer.as_variable(d['b'])
         return _conv_step(grid, W, b, d['stride'], d['pad'], d['dilate'],
