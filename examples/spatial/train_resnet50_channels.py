@@ -27,8 +27,9 @@ channel block and runs
     BN (channel_split=True), ReLU
     conv2 3x3 split='channel', split_output=True -> likewise
     BN (channel_split=True), ReLU
-    distconv.gather_channels  -> whole mid channels
-    conv3 1x1 split='filter'  -> its block of the output channels
+    conv3 1x1 split='filter', split_input=True
+                              -> gathers the mid blocks inside the layer:
+                                 its block of the output channels
     BN (channel_split=True) + shortcut (the input block, or a projection
     like conv1), ReLU         -> its block of the output channels
 
@@ -37,7 +38,9 @@ average pooling and the classifier whole channels. Each process holds 1/P
 of the weights of res4/res5 (most of ResNet-50's parameters) and computes
 1/P of their convolutions and batch normalisations, with two
 reduce-scatters and one allgather of the *mid* channels per bottleneck
-(backward: their adjoints) and no halo at all. The wide (4x mid) tensors
+(backward: their adjoints) and no halo at all. Each of the three runs
+inside its convolution, overlapped with the products of the other channel
+blocks (``grid.channel_overlap``). The wide (4x mid) tensors
 between blocks never cross the channel axis: the plain filter -> channel
 -> filter pairing (``Bottleneck(..., channel_io='whole')``) takes whole
 channels, so it gathers every block's output and reduces its gradient:
@@ -82,7 +85,7 @@ class SpatialLayers(object):
         self.grid = grid
 
     def conv(self, cin, cout, ksize, stride=1, pad=0, split=None,
-             split_output=False):
+             split_output=False, split_input=False):
         return distconv.Convolution2D(self.grid, cin, cout, ksize, stride,
                                       pad, nobias=True,
                                       initialW=initializers.HeNormal())
@@ -95,11 +98,12 @@ class ChannelLayers(SpatialLayers):
     """Layers of a filter/channel-parallel stage (a grid with channels)."""
 
     def conv(self, cin, cout, ksize, stride=1, pad=0, split='filter',
-             split_output=False):
+             split_output=False, split_input=False):
         return distconv.Convolution2D(self.grid, cin, cout, ksize, stride,
                                       pad, nobias=True,
                                       initialW=initializers.HeNormal(),
-                                      split=split, split_output=split_output)
+                                      split=split, split_output=split_output,
+                                      split_input=split_input)
 
     def bn(self, size, channel_split=False):
         return distconv.BatchNormalization(self.grid, size,
@@ -139,7 +143,10 @@ class Bottleneck(chainer.Chain):
             self.conv2 = layers.conv(mid, mid, 3, stride, 1, split='channel',
                                      split_output=self.split_io)
             self.bn2 = layers.bn(mid, channel_split=self.split_io)
-            self.conv3 = layers.conv(mid, cout, 1, split='filter')
+            # split_io: conv3 gathers conv2's blocks itself, overlapping the
+            # messages with the products of the blocks already here.
+            self.conv3 = layers.conv(mid, cout, 1, split='filter',
+                                     split_input=self.split_io)
             self.bn3 = layers.bn(cout, channel_split=channel)
             self.projection = stride != 1 or cin != cout
             if self.projection:
@@ -149,8 +156,6 @@ class Bottleneck(chainer.Chain):
     def forward(self, x):
         h = F.relu(self.bn1(self.conv1(x)))
         h = F.relu(self.bn2(self.conv2(h)))
-        if self.split_io:
-            h = distconv.gather_channels(self.grid, h)
         h = self.bn3(self.conv3(h))
         if self.projection:
             s = self.bn_proj(self.conv_proj(x))
