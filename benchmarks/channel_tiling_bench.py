@@ -9,22 +9,37 @@ tiling part needs root for the network test bed)::
 
 (a) Late stage (``late``): one ResNet-50 res4 bottleneck (1x1 1024->256,
     3x3 256->256, 1x1 256->1024, batch norm, ReLU, identity shortcut) on a
-    14x14 map, batch 1, at 1 process (Chainer through a 1x1 grid) and at 2
-    processes split spatially (grid (2, 1): halos on a 7-row block) or
-    filter/channel parallel (grid (1, 1) with channels=2, the layout of
-    ``examples/spatial/train_resnet50_channels.py``: the block takes and
-    returns its channel block, as the spatial setting takes and returns
-    its row block; conv1 and conv2 'channel' with their partial sums
-    reduce-scattered, the mid channels gathered for conv3 'filter').
-    ``filter_channel_whole_io`` is the plain filter -> channel -> filter
-    pairing with whole channels in and out (conv2 allreduced, the output
-    gathered), for comparison. Per setting: the
-    median forward+backward step time over rounds (settings alternate
-    round by round; each timed step follows an untimed step of the same
-    setting, as every step of the 1-process run follows one of its own),
-    parameter bytes per process, bytes numpy holds after
-    forward (activations kept for backward) and the peak during a step
-    (tracemalloc).
+    14x14 map, batch 1, in one 2-process job. Settings, alternating round
+    by round:
+
+    * ``chainer_1p``: plain Chainer links on rank 0 alone, and
+      ``distconv_1p``: the example's block on a 1x1 grid of rank 0 alone
+      (the other rank sleeps in a barrier meanwhile, so rank 0 has a core
+      to itself, as a process of its own would). The baseline of each
+      round is the faster of the two.
+    * ``twin_1p``: both ranks run the plain block at once, without
+      messages: ``2 x chainer_1p / twin_1p`` is the most 2 processes can
+      gain on this machine (shared caches and memory bandwidth).
+    * ``spatial``: grid (2, 1), halos on a 7-row block.
+    * ``filter_channel``: grid (1, 1) with channels=2, the layout of
+      ``examples/spatial/train_resnet50_channels.py``: the block takes and
+      returns its channel block (as the spatial setting takes and returns
+      its row block); conv1 and conv2 ``'channel'`` with their partial
+      sums reduce-scattered, conv3 ``'filter'`` gathering conv2's blocks
+      (``split_input``), each overlapping its messages with the products
+      of the other blocks; ``filter_channel_serial``: the same model with
+      ``grid.channel_overlap = False`` (convolution, then collective).
+    * ``filter_channel_whole_io``: the plain filter -> channel -> filter
+      pairing with whole channels in and out (conv2 allreduced, the output
+      gathered), for comparison.
+
+    Per setting: ``steps`` timed forward+backward steps per round, each
+    round's steps after an untimed step of the same setting (right after
+    another setting the caches hold that setting's data), the median step
+    time; speed-ups are medians of per-round ratios to that round's
+    baseline. Parameter bytes per process, bytes numpy holds after forward
+    (activations kept for backward) and the peak during a step
+    (tracemalloc), as ratios to ``distconv_1p``.
 
 (b) Tiling (``tiling``): a stack of 3x3 convolutions (ReLU between) over a
     grid (2, 1), the 2 ranks in separate network namespaces behind a link
@@ -71,38 +86,81 @@ MODULE = 'benchmarks.channel_tiling_bench'
 # ---------------------------------------------------------------------------
 # (a) late stage: spatial vs filter/channel
 # ---------------------------------------------------------------------------
+def _plain_bottleneck(c, mid):
+    """The same block from plain Chainer links (no distconv at all)."""
+    import chainer
+    import chainer.functions as F
+    import chainer.links as L
+    from chainer import initializers
+
+    class Plain(chainer.Chain):
+        def __init__(self):
+            super(Plain, self).__init__()
+            he = initializers.HeNormal
+            with self.init_scope():
+                self.conv1 = L.Convolution2D(c, mid, 1, nobias=True,
+                                             initialW=he())
+                self.bn1 = L.BatchNormalization(mid)
+                self.conv2 = L.Convolution2D(mid, mid, 3, 1, 1, nobias=True,
+                                             initialW=he())
+                self.bn2 = L.BatchNormalization(mid)
+                self.conv3 = L.Convolution2D(mid, c, 1, nobias=True,
+                                             initialW=he())
+                self.bn3 = L.BatchNormalization(c)
+
+        def forward(self, x):
+            h = F.relu(self.bn1(self.conv1(x)))
+            h = F.relu(self.bn2(self.conv2(h)))
+            return F.relu(self.bn3(self.conv3(h)) + x)
+
+    return Plain()
+
+
 def _late_models(comm, cfg):
-    """{setting: (grid, model, input block)} for this process count."""
+    """{setting: (grid or None, model, input, processes)}.
+
+    Settings with ``processes == 1`` run on rank 0 alone (their grid is
+    on ``COMM_SELF``) while the other rank sleeps in a barrier; ``twin``
+    runs the plain model on every rank at once, without messages.
+    """
     import numpy as np
+    from mpi4py import MPI
     from chainermn_overlap import distconv
     from examples.spatial import train_resnet50_channels as rc
     c, mid, n = cfg['channels'], cfg['channels'] // 4, cfg['insize']
     shape = (cfg['batchsize'], c, n, n)
     x = np.random.RandomState(1).randn(*shape).astype(np.float32)
     out = {}
-    if comm.size == 1:
-        g = distconv.SpatialGrid(comm, (1, 1))
+    np.random.seed(0)
+    out['twin_1p'] = (None, _plain_bottleneck(c, mid), x, 'twin')
+    if comm.rank == 0:
         np.random.seed(0)
-        out['chainer'] = (g, rc.Bottleneck(rc.SpatialLayers(g), c, mid, c),
-                          x)
-        return out
-    gs = distconv.SpatialGrid(comm, (comm.size, 1))
+        out['chainer_1p'] = (None, _plain_bottleneck(c, mid), x, 1)
+        g1 = distconv.SpatialGrid(MPI.COMM_SELF, (1, 1))
+        np.random.seed(0)
+        out['distconv_1p'] = (
+            g1, rc.Bottleneck(rc.SpatialLayers(g1), c, mid, c), x, 1)
+    P = comm.size
+    gs = distconv.SpatialGrid(comm, (P, 1))
     np.random.seed(0)
     out['spatial'] = (gs, rc.Bottleneck(rc.SpatialLayers(gs), c, mid, c),
-                      gs.scatter(x))
-    gc = distconv.SpatialGrid(comm, (1, 1), channels=comm.size)
+                      gs.scatter(x), P)
+    gc = distconv.SpatialGrid(comm, (1, 1), channels=P)
     np.random.seed(0)
     # Channel blocks in and out, as inside a stage of the example (like
-    # the spatial setting's row blocks).
-    out['filter_channel'] = (
-        gc, rc.Bottleneck(rc.ChannelLayers(gc), c, mid, c, channel=True),
-        gc.scatter(x, channel_split=True))
+    # the spatial setting's row blocks); conv3 gathers conv2's blocks.
+    block = rc.Bottleneck(rc.ChannelLayers(gc), c, mid, c, channel=True)
+    xc = gc.scatter(x, channel_split=True)
+    out['filter_channel'] = (gc, block, xc, P)
+    # The same model and grid with the channel messages after each
+    # convolution instead of overlapped with it (grid.channel_overlap).
+    out['filter_channel_serial'] = (gc, block, xc, P)
     # The plain filter -> channel -> filter pairing with whole channels in
     # and out (the output gathered, its gradient reduced).
     np.random.seed(0)
     out['filter_channel_whole_io'] = (
         gc, rc.Bottleneck(rc.ChannelLayers(gc), c, mid, c, channel=True,
-                          channel_io='whole'), x)
+                          channel_io='whole'), x, P)
     return out
 
 
@@ -111,46 +169,97 @@ def _loss(model, x):
     return F.sum(model(x))
 
 
+def _step(model, x):
+    loss = _loss(model, x)
+    model.cleargrads()
+    loss.backward()
+
+
 def late_worker(cfg):
+    """Times every setting in one job, settings alternating round by round.
+
+    The 1-process settings run on rank 0 between the 2-process ones (the
+    other rank sleeps in a barrier, so rank 0 has a core to itself as a
+    process of its own would), so drift on a shared machine hits the
+    baseline and the distributed runs alike; speed-ups are medians of
+    per-round ratios. Every timed step follows an untimed step of the same
+    setting: right after another setting (other communicators, other
+    weights) the caches hold that setting's data, which cost a 2-process
+    step 0.7-0.9 ms of 10 here.
+    """
     import chainermn
     import numpy as np
     comm = chainermn.create_communicator('naive')
-    models = _late_models(comm, cfg)
-    names = sorted(models)
+    mpi = comm.mpi_comm
+    cfg_all = _late_models(comm, cfg)
+    names = sorted(mpi.bcast(sorted(cfg_all) if comm.rank == 0 else None))
+    steps = cfg['steps']
     times = {k: [] for k in names}
+
+    def configure(name):
+        g = cfg_all[name][0] if name in cfg_all else None
+        if g is not None and g.channels > 1:
+            g.channel_overlap = name != 'filter_channel_serial'
+
     for name in names:  # warm-up: plans, validation, connections
-        g, model, x = models[name]
-        model.cleargrads()
-        _loss(model, x).backward()
+        procs = cfg_all[name][3] if name in cfg_all else 1
+        if procs == 1:
+            if comm.rank == 0:
+                _step(*cfg_all[name][1:3])
+            spatial_bench._quiet_barrier(mpi)
+            continue
+        configure(name)
+        _step(*cfg_all[name][1:3])
     for r in range(cfg['rounds']):
         # Rotate the order each round: drift on a shared machine hits all.
         for name in names[r % len(names):] + names[:r % len(names)]:
-            g, model, x = models[name]
-            # Every timed step follows an untimed step of the same setting,
-            # as each step of the 1-process run (a process of its own, one
-            # setting) follows one of its own. Right after another setting
-            # (the spatial one: other communicators, twice the weights) the
-            # caches hold that setting's data, which cost a 2-process
-            # filter/channel step 0.7-0.9 ms of 10 here: a penalty the
-            # 1-process baseline is never measured with.
-            model.cleargrads()
-            _loss(model, x).backward()
-            comm.mpi_comm.Barrier()
-            t0 = time.perf_counter()
-            loss = _loss(model, x)
-            model.cleargrads()
-            loss.backward()
-            comm.mpi_comm.Barrier()
-            times[name].append(time.perf_counter() - t0)
-    out = {'processes': comm.size, 'settings': {}}
+            procs = cfg_all[name][3] if name in cfg_all else 1
+            if procs == 1:
+                if comm.rank == 0:
+                    model, x = cfg_all[name][1:3]
+                    _step(model, x)
+                    for _ in range(steps):
+                        t0 = time.perf_counter()
+                        _step(model, x)
+                        times[name].append(time.perf_counter() - t0)
+                spatial_bench._quiet_barrier(mpi)
+                continue
+            configure(name)
+            model, x = cfg_all[name][1:3]
+            _step(model, x)
+            for _ in range(steps):
+                mpi.Barrier()
+                t0 = time.perf_counter()
+                _step(model, x)
+                mpi.Barrier()
+                times[name].append(time.perf_counter() - t0)
+    out = {'processes': comm.size, 'steps_per_round': steps,
+           'rounds': cfg['rounds'], 'settings': {}}
     for name in names:
-        g, model, x = models[name]
-        peak, held = spatial_bench.step_memory(
-            model, lambda: _loss(model, x))
-        wbytes = sum(p.array.nbytes for p in model.params())
-        per_rank = comm.mpi_comm.allgather([peak, held, wbytes])
+        procs = cfg_all[name][3] if name in cfg_all else 1
+        here = name in cfg_all
+        if here:
+            g, model, x, _ = cfg_all[name]
+            configure(name)
+            peak, held = spatial_bench.step_memory(
+                model, lambda: _loss(model, x))
+            wbytes = sum(p.array.nbytes for p in model.params())
+            mine = [peak, held, wbytes]
+        else:
+            mine = None
+        if procs == 1:
+            per_rank = [mine]
+        else:
+            per_rank = mpi.allgather(mine)
+        if comm.rank != 0:
+            continue
+        g = cfg_all[name][0]
         out['settings'][name] = {
-            'grid': list(g.shape), 'channel_axis': g.channels,
+            'processes': comm.size if procs != 1 else 1,
+            'grid': None if g is None else list(g.shape),
+            'channel_axis': None if g is None else g.channels,
+            'channel_overlap': None if g is None or g.channels == 1
+            else name != 'filter_channel_serial',
             'median_step_s': float(np.median(times[name])),
             'step_s': times[name],
             'param_bytes_per_process': [v[2] for v in per_rank],
@@ -159,6 +268,45 @@ def late_worker(cfg):
         }
     if comm.rank == 0:
         launch.emit_result(RESULT_TAG, out)
+
+
+def late_summary(run):
+    """Speed-ups (medians of per-round ratios) and memory ratios.
+
+    The baseline of a round is the faster of the two 1-process settings
+    (plain Chainer links, and the distconv model on a 1x1 grid) in that
+    round. ``twin_bound`` is what 2 processes could reach on this machine
+    at most: 2 x (plain step alone) / (plain step while the other core
+    runs the same), per round.
+    """
+    import numpy as np
+    st = run['settings']
+    k = run['steps_per_round']
+
+    def rounds(name):
+        v = st[name]['step_s']
+        return [float(np.median(v[i:i + k])) for i in range(0, len(v), k)]
+
+    base = [min(a, b) for a, b in zip(rounds('chainer_1p'),
+                                      rounds('distconv_1p'))]
+    out = {'baseline_1p_s': float(np.median(base)),
+           'twin_bound': float(np.median(
+               [2 * a / b for a, b in zip(rounds('chainer_1p'),
+                                          rounds('twin_1p'))])),
+           'speedup': {}, 'param_bytes_ratio': {},
+           'peak_bytes_ratio': {}, 'held_bytes_ratio': {}}
+    ref = st['distconv_1p']
+    for name, v in st.items():
+        if v['processes'] == 1 or name == 'twin_1p':
+            continue
+        out['speedup'][name] = float(np.median(
+            [a / b for a, b in zip(base, rounds(name))]))
+        for key, field in (('param_bytes_ratio', 'param_bytes_per_process'),
+                           ('peak_bytes_ratio', 'peak_bytes_per_process'),
+                           ('held_bytes_ratio',
+                            'held_after_forward_bytes_per_process')):
+            out[key][name] = max(v[field]) / max(1, ref[field][0])
+    return out
 
 
 # ---------------------------------------------------------------------------
@@ -396,14 +544,12 @@ def _netbed_usable(args):
 
 def run_late(args):
     cfg = {'insize': args.late_insize, 'channels': args.late_channels,
-           'batchsize': 1, 'rounds': args.rounds}
-    runs = []
-    for n in (1, 2):
-        cmd = launch.worker_command(MODULE, dict(cfg, part='late'))
-        runs.append(_result(_mpiexec(n, cmd, args.timeout),
-                            'late stage at -n %d' % n))
-        sys.stdout.write(json.dumps(runs[-1]['settings']) + '\n')
-    return {'config': cfg, 'runs': runs}
+           'batchsize': 1, 'rounds': args.rounds, 'steps': args.late_steps}
+    cmd = launch.worker_command(MODULE, dict(cfg, part='late'))
+    run = _result(_mpiexec(2, cmd, args.timeout), 'late stage')
+    summary = late_summary(run)
+    sys.stdout.write(json.dumps(summary) + '\n')
+    return {'config': cfg, 'run': run, 'summary': summary}
 
 
 def run_tiling(args):
@@ -487,6 +633,8 @@ def main(argv=None):
     p.add_argument('--rounds', type=int, default=7)
     p.add_argument('--late-insize', type=int, default=14)
     p.add_argument('--late-channels', type=int, default=1024)
+    p.add_argument('--late-steps', type=int, default=5,
+                   help='timed steps per setting and round (late stage)')
     p.add_argument('--tile-insize', type=int, default=32,
                    help='global image side of the tiling stack (a 16x32 '
                    'block per process at 2 processes)')
