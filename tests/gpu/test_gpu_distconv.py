@@ -81,3 +81,61 @@ def test_gpu_max_pooling_2d(shape, case):
                                                    cover_all=cover_all),
         lambda v: distconv.max_pooling_2d(g, v, k, s, p,
                                           cover_all=cover_all), [])
+
+
+@pytest.mark.parametrize('channels', [2, 3])
+@pytest.mark.parametrize('overlap', [True, False],
+                         ids=['overlapped', 'serial'])
+def test_gpu_channel_pair(channels, overlap):
+    """split_output 3x3 -> ReLU -> split_input 1x1 on the device (the
+    overlapped channel nodes stage their messages through the host)."""
+    c = helpers.comm()
+    if c.size % channels:
+        pytest.skip('%d channel coordinates do not fit %d processes'
+                    % (channels, c.size))
+    g = distconv.SpatialGrid(c, (1, 1), channels=channels,
+                             channel_overlap=overlap)
+    rng = np.random.RandomState(12)
+    x = rng.randn(2 * g.n_groups, 7, 5, 6).astype(np.float32)
+    s1 = L.Convolution2D(7, 5, 3, 1, 1, initialW=rng.randn(5, 7, 3, 3)
+                         .astype(np.float32) * 0.3, initial_bias=0.1)
+    s2 = L.Convolution2D(5, 6, 1, initialW=rng.randn(6, 5, 1, 1)
+                         .astype(np.float32) * 0.3, initial_bias=0.2)
+    d1 = distconv.Convolution2D(g, 7, 5, 3, 1, 1, initialW=s1.W.array,
+                                initial_bias=0.1, split='channel',
+                                split_output=True)
+    d2 = distconv.Convolution2D(g, 5, 6, 1, initialW=s2.W.array,
+                                initial_bias=0.2, split='filter',
+                                split_input=True)
+    for link in (s1, s2, d1, d2):
+        link.cleargrads()
+    xs = chainer.Variable(x.copy())
+    ys = s2(chainer.functions.relu(s1(xs)))
+    gy = rng.randn(*ys.shape).astype(np.float32)
+    ys.grad = gy.copy()
+    ys.backward()
+    d1.to_device(DEV)
+    d2.to_device(DEV)
+    xd = chainer.Variable(device.to_device(g.scatter(x, channel_split=True),
+                                           DEV))
+    before = g.stats['channel_overlapped']
+    yd = d2(chainer.functions.relu(d1(xd)))
+    yd.grad = device.to_device(g.scatter(gy, channel_split=True), DEV)
+    yd.backward()
+    chk = helpers.Checker(1e-4, 1e-5)
+    chk.true('overlapped nodes ran', g.stats['channel_overlapped'] - before
+             == (2 if overlap else 0))
+    chk.true('output on the device', chainer.backend.get_array_module(
+        yd.array) is device.xp(DEV))
+    chk.close('forward', g.gather(device.to_host(yd.array),
+                                  channel_split=True), ys.array)
+    chk.close('input grad', g.gather(device.to_host(xd.grad),
+                                     channel_split=True), xs.grad)
+    for name, sl, dl, axis, total in (('W1', s1, d1, 1, 7),
+                                      ('W2', s2, d2, 0, 6)):
+        lo, hi = g.channel_range(total)
+        full = np.zeros(sl.W.shape, np.float32)
+        idx = (slice(None),) * axis + (slice(lo, hi),)
+        full[idx] = device.to_host(dl.W.grad)
+        chk.close(name + ' grad', helpers.sum_over_ranks(full), sl.W.grad)
+    chk.done()
