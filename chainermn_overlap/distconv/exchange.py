@@ -432,6 +432,56 @@ class HaloFinish(function_node.FunctionNode):
         return tuple(out)
 
 
+class Crop(function_node.FunctionNode):
+    """``x[slices]`` for basic slices, with a fast backward.
+
+    Chainer's ``get_item`` accumulates its gradient with ``numpy.add.at``
+    (element by element); a crop's gradient is the gradient placed in
+    zeros of the input's shape (:class:`Uncrop`), one slice assignment.
+    The two are each other's adjoints, so double backpropagation works.
+
+    Args:
+        slices (tuple): Basic slices (and ``Ellipsis``) of the input.
+    """
+
+    def __init__(self, slices):
+        self.slices = slices
+
+    def forward(self, inputs):
+        x, = inputs
+        self._meta = (x.shape, x.dtype)
+        return x[self.slices],
+
+    def backward(self, indexes, grad_outputs):
+        shape, dtype = self._meta
+        return Uncrop(self.slices, shape, dtype).apply(grad_outputs)
+
+
+class Uncrop(function_node.FunctionNode):
+    """``y`` placed at ``slices`` in zeros of ``shape``; see :class:`Crop`.
+    """
+
+    def __init__(self, slices, shape, dtype):
+        self.slices = slices
+        self.shape = shape
+        self.dtype = dtype
+
+    def forward(self, inputs):
+        y, = inputs
+        xp = backend.get_array_module(y)
+        out = xp.zeros(self.shape, dtype=self.dtype)
+        out[self.slices] = y
+        return out,
+
+    def backward(self, indexes, grad_outputs):
+        return Crop(self.slices).apply(grad_outputs)
+
+
+def crop(x, slices):
+    """``x[slices]`` (basic slices) as a :class:`Crop` node."""
+    return Crop(tuple(slices)).apply((x,))[0]
+
+
 class Assemble(function_node.FunctionNode):
     """Places pieces that tile a box into one array (and back in backward).
 
@@ -461,5 +511,5 @@ class Assemble(function_node.FunctionNode):
         if gy is None:
             return (None,) * len(indexes)
         o0 = _origin(self.box)
-        return tuple(chainer.functions.get_item(
-            gy, _sel(self.piece_boxes[i], o0)) for i in indexes)
+        return tuple(crop(gy, _sel(self.piece_boxes[i], o0))
+                     for i in indexes)

@@ -634,7 +634,7 @@ class Tiled(chainer.ChainList):
         h = F.pad(h, widths, 'constant', constant_values=fill)
         origin = tuple(e[0] for e in ext) if not geometry.box_is_empty(
             comp) else tuple(c[0] for c in comp)
-        x_in = F.get_item(h, _slices(read, origin))
+        x_in = exchange.crop(h, _slices(read, origin))
         out_box = nxt['computed']
         c_out = step.fn_out_channels(h.shape[1])
         shape = (h.shape[0], c_out) + geometry.box_shape(out_box)
