@@ -53,6 +53,7 @@ import numpy
 from mpi4py import MPI
 
 from chainermn_overlap.distconv import _comm
+from chainermn_overlap.distconv import geometry
 
 if TYPE_CHECKING:
     from chainermn_overlap.distconv.grid import SpatialGrid
@@ -75,8 +76,7 @@ class _Window(object):
         self.cover_all = bool(cover_all)
 
     def out_shape(self, dims):
-        return tuple(conv_utils.get_conv_outsize(n, k, s, p, self.cover_all,
-                                                 d)
+        return tuple(geometry.output_size(n, k, s, p, d, self.cover_all)
                      for n, k, s, p, d in zip(dims, self.ksize, self.stride,
                                               self.pad, self.dilate))
 

@@ -67,25 +67,28 @@ def _weights(case, dtype=np.float32):
             rng.randn(co).astype(dtype))
 
 
-@pytest.mark.parametrize('gc', CHANNEL_GRIDS, ids=_ids)
-@pytest.mark.parametrize('case', CASES, ids=_case_id)
-@pytest.mark.parametrize('overlap', [True, False],
-                         ids=['overlapped', 'serial'])
-def test_split_input(gc, case, overlap):
-    """'filter' layer fed channel blocks = gather_channels + 'filter'."""
+def _check_one_layer(gc, case, overlap, split, w_axis):
+    """One layer with channel-split input and output against Chainer.
+
+    ``w_axis`` is W's split axis (0: output channels with b split too, for
+    ``'filter'``; 1: input channels with b whole, for ``'channel'``)."""
     g = cgrid(*gc)
     ci, co, k, s, p, d, ca = case
     x = np.random.RandomState(4).randn(3, ci, 6, 7).astype(np.float32)
     W, b = _weights(case)
     xs, Ws, bs, ys, gy = _serial(x, W, b, case)
-    lo, hi = g.channel_range(co)
-    Wd = chainer.Parameter(W[lo:hi].copy())
-    bd = chainer.Parameter(b[lo:hi].copy())
+    total = co if w_axis == 0 else ci
+    lo, hi = g.channel_range(total)
+    Wd = chainer.Parameter(W[(slice(None),) * w_axis
+                             + (slice(lo, hi),)].copy())
+    bd = chainer.Parameter((b[lo:hi] if w_axis == 0 else b).copy())
     xd = chainer.Variable(g.scatter(x, channel_split=True))
+    flags = dict(split_input=True) if split == 'filter' else \
+        dict(split_output=True)
 
     def run():
         y = distconv.convolution_2d(g, xd, Wd, bd, s, p, ca, dilate=d,
-                                    split='filter', split_input=True)
+                                    split=split, **flags)
         y.grad = g.scatter(gy, channel_split=True)
         y.backward()
         return y
@@ -97,10 +100,22 @@ def test_split_input(gc, case, overlap):
     chk.close('forward', g.gather(yd, channel_split=True), ys.array)
     chk.close('input grad', g.gather(xd.grad, channel_split=True), xs.grad)
     chk.close('W grad', sum_over_ranks(embed(g, W.shape, grad_or_zero(Wd),
-                                             0, co)), Ws.grad)
-    chk.close('b grad', sum_over_ranks(embed(g, b.shape, grad_or_zero(bd),
-                                             0, co)), bs.grad)
+                                             w_axis, total)), Ws.grad)
+    if w_axis == 0:
+        gb = sum_over_ranks(embed(g, b.shape, grad_or_zero(bd), 0, co))
+    else:
+        gb = sum_over_ranks(grad_or_zero(bd))
+    chk.close('b grad', gb, bs.grad)
     chk.done()
+
+
+@pytest.mark.parametrize('gc', CHANNEL_GRIDS, ids=_ids)
+@pytest.mark.parametrize('case', CASES, ids=_case_id)
+@pytest.mark.parametrize('overlap', [True, False],
+                         ids=['overlapped', 'serial'])
+def test_split_input(gc, case, overlap):
+    """'filter' layer fed channel blocks = gather_channels + 'filter'."""
+    _check_one_layer(gc, case, overlap, 'filter', 0)
 
 
 @pytest.mark.parametrize('gc', CHANNEL_GRIDS, ids=_ids)
@@ -109,33 +124,7 @@ def test_split_input(gc, case, overlap):
                          ids=['overlapped', 'serial'])
 def test_split_output(gc, case, overlap):
     """'channel' layer with its partial sums reduce-scattered."""
-    g = cgrid(*gc)
-    ci, co, k, s, p, d, ca = case
-    x = np.random.RandomState(4).randn(3, ci, 6, 7).astype(np.float32)
-    W, b = _weights(case)
-    xs, Ws, bs, ys, gy = _serial(x, W, b, case)
-    lo, hi = g.channel_range(ci)
-    Wd = chainer.Parameter(W[:, lo:hi].copy())
-    bd = chainer.Parameter(b.copy())
-    xd = chainer.Variable(g.scatter(x, channel_split=True))
-
-    def run():
-        y = distconv.convolution_2d(g, xd, Wd, bd, s, p, ca, dilate=d,
-                                    split='channel', split_output=True)
-        y.grad = g.scatter(gy, channel_split=True)
-        y.backward()
-        return y
-
-    yd, fused = _run(g, overlap, run)
-    chk = Checker()
-    chk.true('overlapped nodes ran %d times' % fused,
-             fused == (1 if _fused_expected(g, overlap) else 0))
-    chk.close('forward', g.gather(yd, channel_split=True), ys.array)
-    chk.close('input grad', g.gather(xd.grad, channel_split=True), xs.grad)
-    chk.close('W grad', sum_over_ranks(embed(g, W.shape, grad_or_zero(Wd),
-                                             1, ci)), Ws.grad)
-    chk.close('b grad', sum_over_ranks(grad_or_zero(bd)), bs.grad)
-    chk.done()
+    _check_one_layer(gc, case, overlap, 'channel', 1)
 
 
 @pytest.mark.parametrize('gc', [((1, 1), 2), ((1, 1), 3), ((1, 1), 4)],
