@@ -14,11 +14,12 @@ export MKL_NUM_THREADS ?= 1
 NP_LIST ?= 1 2 3 4
 TEST_TIMEOUT ?= 1200
 
-.PHONY: venv demo test test-unit test-mpi test-netbed bench bench-deps clean
+.PHONY: venv demo test test-unit test-mpi test-netbed bench bench-deps clean \
+	docs docs-deps test-wheel
 
 venv: $(STAMP)
 
-$(STAMP): requirements.txt requirements-test.txt constraints.txt setup.py \
+$(STAMP): requirements.txt requirements-test.txt constraints.txt setup.py pyproject.toml \
 		chainermn_overlap/_native.c
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q -r requirements.txt -r requirements-test.txt
@@ -29,7 +30,7 @@ demo: venv
 	$(MPIEXEC) -n 2 $(PY) examples/imagenet/train_imagenet.py --arch resnet50 \
 	    --optimizer overlap --batchsize 2 --iterations 6 --insize 224
 
-test: venv test-unit test-mpi test-netbed
+test: venv test-unit test-mpi test-shard test-netbed
 
 test-unit: venv
 	$(PY) -m pytest -q -p no:cacheprovider tests/unit
@@ -40,12 +41,30 @@ test-mpi: venv
 	    $(PY) tests/mpi_run.py -n $$n --timeout $(TEST_TIMEOUT) -- tests/mpi; \
 	done
 
-# The network test bed needs root and iproute2; its tests skip (saying why)
-# when either is missing.
+# The equivalence suites again with every sharding mode (shard=...), bit
+# for bit at 2 ranks; tests/mpi/test_sharding.py runs in test-mpi.
+SHARD_MODES ?= optimizer gradients parameters
+SHARD_NP_LIST ?= 2 3
+.PHONY: test-shard
+test-shard: venv
+	@set -e; for s in $(SHARD_MODES); do for n in $(SHARD_NP_LIST); do \
+	    echo "== MPI tests with shard='$$s' at $$n rank(s) =="; \
+	    CHAINERMN_OVERLAP_TEST_SHARD=$$s $(PY) tests/mpi_run.py -n $$n \
+	        --timeout $(TEST_TIMEOUT) -- tests/mpi/test_equivalence.py \
+	        tests/mpi/test_changed_params.py tests/mpi/test_autosync.py -q; \
+	done; done
+
+# The network test bed needs root and iproute2, its multi-host tests also
+# openssh-server and util-linux (unshare); as root they are installed here
+# when missing.  Without root or namespaces the tests skip, saying why.
 test-netbed: venv
-	@if [ "$$(id -u)" = 0 ] && ! command -v tc >/dev/null; then \
-	    (apt-get update -qq && apt-get install -y -qq iproute2) >/dev/null 2>&1 \
-	    || echo "could not install iproute2: the network test-bed tests will skip"; fi
+	@if [ "$$(id -u)" = 0 ] && { ! command -v tc >/dev/null || \
+	    ! [ -x /usr/sbin/sshd ] || ! command -v ssh >/dev/null || \
+	    ! command -v unshare >/dev/null; }; then \
+	    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get \
+	     install -y -qq --no-install-recommends iproute2 openssh-server \
+	     openssh-client util-linux) >/dev/null 2>&1 \
+	    || echo "could not install iproute2/openssh-server: the tests that need them will skip"; fi
 	$(PY) -m pytest -q -p no:cacheprovider -rs tests/netbed
 
 # The benchmark's own set-up: iproute2 (ip, tc) for the network namespaces,
@@ -69,7 +88,7 @@ bench-deps: venv
 
 bench: bench-overlap bench-compression bench-accuracy
 
-.PHONY: bench-overlap bench-compression bench-accuracy
+.PHONY: bench-overlap bench-compression bench-accuracy bench-hosts
 bench-overlap: bench-deps
 	$(PY) -m benchmarks.overlap_bench $(BENCH_ARGS)
 
@@ -79,8 +98,46 @@ bench-compression: bench-deps
 bench-accuracy: bench-deps
 	$(PY) -m benchmarks.accuracy $(ACCURACY_ARGS)
 
+# Multi-host soak (as root): 20 real host faults (processes killed, link
+# cut, host lost) in one run on the ssh test bed, recovery times to
+# benchmarks/results/hosts_soak.json.  HOSTS_SOAK_ARGS passes options,
+# e.g. '--faults 30 --hosts 3 --slots 1'.
+HOSTS_SOAK_ARGS ?=
+bench-hosts: venv
+	@[ -x /usr/sbin/sshd ] && command -v tc >/dev/null || \
+	    { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get \
+	      install -y -qq --no-install-recommends iproute2 openssh-server \
+	      openssh-client util-linux; }
+	$(PY) -m benchmarks.hosts_soak $(HOSTS_SOAK_ARGS)
+
 clean:
-	rm -rf $(VENV) .mpi-logs build *.egg-info
+	rm -rf $(VENV) .mpi-logs build dist *.egg-info docs/_build
+
+# The documentation site: HTML into docs/_build/html, warnings as errors, a
+# fresh environment each time (the API completeness check needs every page
+# read), then a check of every internal link of the output.  Its
+# dependencies (docs/requirements.txt) go into the venv.  Offline the
+# intersphinx links to Chainer/NumPy are left out (docs/conf.py).
+DOCS_STAMP := $(VENV)/.docs-installed
+$(DOCS_STAMP): docs/requirements.txt $(STAMP)
+	$(PY) -m pip install -q -r docs/requirements.txt
+	touch $@
+
+docs-deps: $(DOCS_STAMP)
+
+docs: venv docs-deps
+	rm -rf docs/_build/html docs/_build/doctrees
+	$(PY) -m sphinx -b html -W --keep-going -E -q -d docs/_build/doctrees \
+	    docs docs/_build/html
+	$(PY) docs/_ext/check_links.py docs/_build/html
+
+# The package as users get it: sdist and wheel by `python -m build`, the
+# wheel installed into a fresh venv (not editable), the unit tests, one MPI
+# test file and the console script run against it from a folder without
+# the package source (tests/wheel_check.py says each step).
+test-wheel: venv
+	@$(PY) -c 'import build' 2>/dev/null || $(PY) -m pip install -q build
+	$(PY) tests/wheel_check.py --python $(PYTHON)
 
 # Spatial parallelism (distconv): strong and weak scaling at 1, 2 and 4
 # processes, memory per process, exposed halo time with overlap on/off;
@@ -99,6 +156,17 @@ bench-spatial: venv
 	    $(PY) -m pip install -q matplotlib
 	$(PY) -m benchmarks.spatial_bench $(SPATIAL_ARGS)
 	$(PY) -m benchmarks.channel_tiling_bench $(CHANNEL_TILING_ARGS)
+
+# Sharding (shard='optimizer' | 'gradients' | 'parameters'): bytes per rank
+# of a 37.7 M-parameter MLP with Adam at 1, 2 and 4 ranks (tracemalloc),
+# then step time and scalability on the network test bed at 2 ranks (as
+# root) for that MLP and ResNet-50, against the unsharded optimizer in the
+# same run: benchmarks/results/sharding.json and sharding.png.
+# SHARDING_ARGS passes options, e.g. '--skip-speed'.
+SHARDING_ARGS ?=
+.PHONY: bench-sharding
+bench-sharding: bench-deps
+	$(PY) -m benchmarks.sharding_bench $(SHARDING_ARGS)
 
 # GPU variants of the optimizer equivalence, distconv exactness and snapshot
 # suites (tests/gpu) with model and data on $(GPU_DEVICE), at 1 and 2 ranks
@@ -123,3 +191,40 @@ test-gpu: venv
 	    $(PY) tests/mpi_run.py -n $$n --timeout $(GPU_TEST_TIMEOUT) -- \
 	        tests/gpu -q -rs; \
 	done
+
+# The peer framework of benchmarks/peers_torch.py (PyTorch DDP), in a venv
+# of its own: torch's CPU wheel, pinned (an unpinned torch pulls a CUDA
+# build of several GB).  The main venv provides mpiexec.  The project's pip
+# constraints (setuptools<70, for chainer) are not this venv's: torch needs
+# a newer setuptools, so they are left out here.
+PEERS_VENV := .venv-peers
+PEERS_STAMP := $(PEERS_VENV)/.installed
+.PHONY: peers-venv
+peers-venv: $(PEERS_STAMP)
+
+$(PEERS_STAMP):
+	test -x $(PEERS_VENV)/bin/python || $(PYTHON) -m venv $(PEERS_VENV)
+	env -u PIP_CONSTRAINT -u PIP_BUILD_CONSTRAINT \
+	    $(PEERS_VENV)/bin/python -m pip install -q torch==2.13.0 'numpy<2'
+	touch $(PEERS_STAMP)
+
+# Ours against PyTorch DDP (float32, fp16 hook, PowerSGD hook r1/r4) on the
+# same bed in the same run, compute-matched, interleaved rounds with
+# intervals: benchmarks/results/peers.json.  Optional: never run by `make
+# test`.  The default is the lighter model (ResNet-18 at 128 px, batch 8),
+# where the communication is largest against the compute; PEERS_ARGS='--model
+# resnet50 --batch 4 --insize 224' measures ResNet-50.
+PEERS_ARGS ?= --model resnet18 --batch 8 --insize 128
+.PHONY: bench-peers
+bench-peers: bench-deps peers-venv
+	$(PY) -m benchmarks.peers_bench $(PEERS_ARGS)
+
+# Two revisions side by side on the same bed, interleaved rounds, paired
+# differences with intervals: make bench-ab A=main~1 B=WORKTREE
+# [AB_ARGS='--modes alone overlap_forward --rounds 12'].
+A ?= HEAD
+B ?= WORKTREE
+AB_ARGS ?=
+.PHONY: bench-ab
+bench-ab: bench-deps
+	$(PY) -m benchmarks.ab --a $(A) --b $(B) $(AB_ARGS)

@@ -19,5 +19,6 @@ Shared parts:
 * :mod:`benchmarks.machine`: the machine description in results files;
 * :mod:`benchmarks.workloads`: the ImageNet example's models and synthetic
   batches that the optimizer benchmarks time;
-* :mod:`benchmarks.netbed`: the network test bed (namespaces, shaped link).
+The network test bed they run on (namespaces, shaped links, hosts with
+ssh) is the package ``testbed/`` at the repository root.
 """

@@ -44,7 +44,7 @@ tiling part needs root for the network test bed)::
 (b) Tiling (``tiling``): a stack of 3x3 convolutions (ReLU between) over a
     grid (2, 1), the 2 ranks in separate network namespaces behind a link
     with a one-way delay (``--delays``, default 1, 2, 3 and 5 ms;
-    ``benchmarks/netbed.py``: ``netem`` where the kernel has it, else a
+    ``testbed/netbed.py``: ``netem`` where the kernel has it, else a
     TAP pair through a relay that holds each frame for the delay, as on
     this kernel), per-process blocks small enough that a
     layer's interior computation is shorter than the delay (measured and
@@ -391,6 +391,10 @@ class _LatePending(object):
         self._sleep()
         return self.inner.wait()
 
+    def wait_flat(self):
+        self._sleep()
+        return self.inner.wait_flat()
+
 
 def _emulate_latency(delay):
     """Patches distconv's message layer to add ``delay`` s per exchange."""
@@ -561,7 +565,7 @@ def run_tiling(args):
     runs = []
     delays = [d.strip() for d in args.delays.split(',') if d.strip()]
     if why_not is None:
-        from benchmarks import netbed
+        from testbed import netbed
         for delay in delays:
             try:
                 with netbed.NetBed(2, args.rate, delay=delay) as bed:

@@ -1,6 +1,6 @@
 """What moving gradients costs the compute sharing its core.
 
-Run (as root: it builds the network test bed of ``benchmarks/netbed.py``)::
+Run (as root: it builds the network test bed of ``testbed/netbed.py``)::
 
     python -m benchmarks.comm_cost --rate 741mbit
 
@@ -34,7 +34,8 @@ import time
 if not __package__:
     sys.path.insert(0, os.path.abspath(os.path.join(__file__, '..', '..')))
 
-from benchmarks import launch, netbed  # noqa: E402
+from benchmarks import launch  # noqa: E402
+from testbed import netbed  # noqa: E402
 from benchmarks.machine import machine_description  # noqa: E402
 
 RESULT_TAG = 'COMM_COST_RESULT '

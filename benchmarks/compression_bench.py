@@ -3,25 +3,32 @@
 Run (as root, from the repository root; ``make bench`` runs it after the
 overlap benchmark)::
 
-    python -m benchmarks.compression_bench [--model resnet50 --insize 112]
+    python -m benchmarks.compression_bench \\
+        [--models resnet50:4:224 resnet18:8:128] [--rounds 10]
 
 Two ranks as hosts in network namespaces joined by a tc-shaped link, each
-pinned to a core of its own with one BLAS thread (``benchmarks/netbed.py``,
-as ``benchmarks/overlap_bench.py``).  Modes, interleaved in rounds in one job
-per link: ``alone`` (the denominator), ChainerMN ``blocking``, and ours with
+pinned to a core of its own with one BLAS thread (``testbed/netbed.py``,
+as ``benchmarks/overlap_bench.py``).  Two models: ResNet-50 (batch 4 at
+224 px) and a lighter one, ResNet-18 at 128 px (batch 8): 0.73x ResNet-50's
+compute per parameter, so what each byte costs weighs more.  Modes,
+interleaved in rounds in one job per link (:mod:`benchmarks.trainer`):
+``alone`` (the denominator), ChainerMN ``blocking``, and ours with
 ``wait='forward'``: float32 on the wire, float16 on the wire, PowerSGD of
-rank 1, 2 and 4.  Two links:
+rank 1 and 4; and PowerSGD of rank 4 with ``wait='update'``.  Two links
+per model:
 
 * ``calibrated``: blocking lands at the anchor's 0.667 (gradient transfer
   about 0.5 x one rank's compute), found as in ``overlap_bench``;
 * ``slow``: a quarter of that rate (gradient transfer about 2 x compute),
   where no overlap of float32 can pass ~0.5.
 
-The bed's own bound is measured in the same run: the compute slowdown per
-byte while the link carries allreduces (``benchmarks/comm_cost.py``), so a
-mode moving ``B`` bytes per iteration, with compression compute ``t_z``,
-can reach at most ``t_c / max(t_c + B * cost + t_z, B / link)``.  Each
-mode's scalability is reported beside that bound and as a fraction of it.
+Each figure is the median over rounds of the per-round scalability, with
+its 95 % bootstrap interval (:mod:`benchmarks.stats`).  The bed's own bound
+is measured in the same run: the compute slowdown per byte while the link
+carries allreduces (``benchmarks/comm_cost.py``), so a mode moving ``B``
+bytes per iteration, with compression compute ``t_z``, can reach at most
+``t_c / max(t_c + B * cost + t_z, B / link)``.  Each mode's scalability is
+reported beside that bound and as a fraction of it.
 
 Writes ``benchmarks/results/compression.json`` and ``compression.png``.
 """
@@ -34,17 +41,19 @@ import time
 if not __package__:
     sys.path.insert(0, os.path.abspath(os.path.join(__file__, '..', '..')))
 
-from benchmarks import comm_cost, launch, netbed  # noqa: E402
-from benchmarks import overlap_bench as ob  # noqa: E402
+from benchmarks import comm_cost, launch  # noqa: E402
+from benchmarks import bedrun as ob  # noqa: E402
+from testbed import netbed  # noqa: E402
 from benchmarks.machine import machine_description  # noqa: E402
 
 MODES = ['alone', 'blocking', 'overlap_forward', 'overlap_forward_float16',
-         'overlap_forward_powersgd1', 'overlap_forward_powersgd2',
-         'overlap_forward_powersgd4']
+         'overlap_forward_powersgd1', 'overlap_forward_powersgd4',
+         'overlap_update_powersgd4']
 LABELS = {'overlap_forward': 'float32', 'overlap_forward_float16': 'float16',
           'overlap_forward_powersgd1': 'PowerSGD r=1',
           'overlap_forward_powersgd2': 'PowerSGD r=2',
           'overlap_forward_powersgd4': 'PowerSGD r=4',
+          'overlap_update_powersgd4': 'PowerSGD r=4, update',
           'blocking': 'ChainerMN blocking', 'alone': 'one rank alone'}
 
 
@@ -92,6 +101,8 @@ def analyse(run, t_compute, grad_bytes, cost, link_bytes_per_s, model):
         b = bound(t_compute, nbytes, cost, link_bytes_per_s, t_z)
         rows[mode] = {'label': LABELS[mode],
                       'scalability': s['scalability'],
+                      'scalability_ci': s['scalability_ci'],
+                      'scalability_rounds': s['scalability_rounds'],
                       'bytes_per_iteration': nbytes,
                       'compression_seconds_per_iteration': t_z,
                       'hidden_fraction': stats.get('hidden_fraction'),
@@ -103,43 +114,134 @@ def plot(result, path):
     import matplotlib
     matplotlib.use('Agg')
     import matplotlib.pyplot as plt
-    links = list(result['links'])
-    modes = [m for m in MODES if m != 'alone']
-    fig, ax = plt.subplots(figsize=(10, 4))
-    width = 0.8 / len(links)
-    for i, link in enumerate(links):
-        rows = result['links'][link]['rows']
-        xs = [j + i * width for j in range(len(modes))]
-        ax.bar(xs, [rows[m]['scalability'] for m in modes], width,
-               label='{} ({:.0f} Mbit/s)'.format(
-                   link, result['links'][link]['rate_bit_per_s'] / 1e6))
-        ax.scatter(xs, [rows[m]['bound'] for m in modes], marker='_',
-                   s=300, color='k')
-    ax.set_xticks([j + width * (len(links) - 1) / 2
-                   for j in range(len(modes))])
-    ax.set_xticklabels([LABELS[m] for m in modes], rotation=20)
-    ax.set_ylabel('scalability (2 ranks)')
-    ax.set_ylim(0, 1.05)
-    ax.set_title('{} batch {} at {}px; black: the bed\'s bound'.format(
-        result['config']['model'], result['config']['batch'],
-        result['config']['insize']))
-    ax.legend()
+    models = list(result['models'])
+    fig, axes = plt.subplots(1, len(models), figsize=(10 * len(models) / 1.6,
+                                                      4.5), squeeze=False)
+    for ax, name in zip(axes[0], models):
+        res = result['models'][name]
+        links = list(res['links'])
+        modes = [m for m in MODES if m != 'alone']
+        width = 0.8 / len(links)
+        for i, link in enumerate(links):
+            rows = res['links'][link]['rows']
+            xs = [j + i * width for j in range(len(modes))]
+            ys = [rows[m]['scalability'] for m in modes]
+            err = [[y - rows[m]['scalability_ci'][0] for y, m in
+                    zip(ys, modes)],
+                   [rows[m]['scalability_ci'][1] - y for y, m in
+                    zip(ys, modes)]]
+            ax.bar(xs, ys, width, yerr=err, capsize=2,
+                   label='{} ({:.0f} Mbit/s)'.format(
+                       link, res['links'][link]['rate_bit_per_s'] / 1e6))
+            ax.scatter(xs, [rows[m]['bound'] for m in modes], marker='_',
+                       s=300, color='k')
+        ax.set_xticks([j + width * (len(links) - 1) / 2
+                       for j in range(len(modes))])
+        ax.set_xticklabels([LABELS[m] for m in modes], rotation=30,
+                           fontsize=8)
+        ax.set_ylabel('scalability (2 ranks)')
+        ax.set_ylim(0, 1.05)
+        c = res['config']
+        ax.set_title('{} batch {} at {}px; black: the bed\'s bound; bars: '
+                     '95% CI'.format(c['model'], c['batch'], c['insize']),
+                     fontsize=9)
+        ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
 
 
+def measure_model(spec, args, log):
+    """Calibration, the bed's cost per byte and both links for one model."""
+    model, batch, insize = spec
+    from chainermn_overlap import _kernels
+    cfg = {'model': model, 'batch': batch, 'insize': insize,
+           'iterations': args.iterations, 'warmup': args.warmup,
+           'settle': args.settle, 'rounds': args.rounds, 'trace': None,
+           'native_kernels': _kernels.native_enabled()}
+    t_compute = ob.measure_alone(cfg)
+    grad_bytes = ob.gradient_bytes(model)
+    log('{} batch {} at {} px: compute {:.3f} s per iteration alone; '
+        'gradients {:.1f} MB'.format(model, batch, insize, t_compute,
+                                     grad_bytes / 1e6))
+    if args.rate:
+        rate, calibration = netbed.parse_rate(args.rate), []
+    else:
+        rate, calibration = ob.calibrate(cfg, t_compute, grad_bytes, log)
+    log('measuring the bed\'s cost per byte at {:.0f} Mbit/s'.format(
+        rate / 1e6))
+    cost_summary, _, _, cost_cfg = comm_cost.measure(rate, steps=20,
+                                                     rounds=3)
+    cost = comm_cost.cost_per_byte(cost_summary)
+    link_bps = cost_summary['reducing']['allreduce_MB_per_s_median'] * 1e6
+    log('  {:.3g} s of compute per MB moved; allreduce {:.1f} MB/s'.format(
+        cost * 1e6, link_bps / 1e6))
+    out = {'config': cfg, 't_compute_alone_s': t_compute,
+           'gradient_bytes': grad_bytes, 'calibration': calibration,
+           'cost': {'seconds_per_byte': cost,
+                    'allreduce_bytes_per_s': link_bps,
+                    'summary': cost_summary, 'config': cost_cfg},
+           'links': {}}
+    for name, r in (('calibrated', rate), ('slow', rate / args.slow_factor)):
+        log('{} link, {:.0f} Mbit/s'.format(name, r / 1e6))
+        run = ob.run_bed(r, dict(cfg, modes=MODES), t_compute, log)
+        # The slow link moves bytes slower; its cost per byte in compute is
+        # the kernel's and the copies', the same as at the calibrated rate.
+        rows = analyse(run, t_compute, grad_bytes, cost,
+                       link_bps * r / rate, model)
+        out['links'][name] = {'rate_bit_per_s': r, 'rows': rows, 'run': run}
+        for m, row in rows.items():
+            z = row['compression_seconds_per_iteration']
+            log('  {:14s} {:.3f} [{:.3f}, {:.3f}]  (bound {:.3f}, {:.0%} of '
+                'it; {:.2f} MB/it{})'.format(
+                    row['label'], row['scalability'],
+                    row['scalability_ci'][0], row['scalability_ci'][1],
+                    row['bound'], row['fraction_of_bound'],
+                    row['bytes_per_iteration'] / 1e6,
+                    ', compression {:.3f} s/it'.format(z) if z else ''))
+    cal, slow = out['links']['calibrated']['rows'], \
+        out['links']['slow']['rows']
+    out['checks'] = {
+        'float16 >= float32': cal['overlap_forward_float16']['scalability']
+        >= cal['overlap_forward']['scalability'],
+        'PowerSGD r=4 >= 0.95 (calibrated)':
+            cal['overlap_forward_powersgd4']['scalability'] >= 0.95,
+        'PowerSGD r=4 >= 0.90 (slow)':
+            slow['overlap_forward_powersgd4']['scalability'] >= 0.90,
+        'PowerSGD r=4, wait=update >= 0.95 (calibrated)':
+            cal['overlap_update_powersgd4']['scalability'] >= 0.95,
+        'PowerSGD r=4, wait=update >= 0.90 (slow)':
+            slow['overlap_update_powersgd4']['scalability'] >= 0.90,
+    }
+    return out
+
+
+def parse_model(text):
+    """``resnet50:4:224`` -> ('resnet50', 4, 224)."""
+    try:
+        name, batch, insize = text.split(':')
+        return name, int(batch), int(insize)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            'a model is NAME:BATCH:INSIZE (e.g. resnet18:8:128), got {!r}'
+            .format(text))
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split('\n')[0])
-    p.add_argument('--model', default='resnet50',
-                   choices=('resnet50', 'resnet_small'))
-    p.add_argument('--batch', type=int, default=4)
-    p.add_argument('--insize', type=int, default=224)
-    # 3 warm-up iterations per round: PowerSGD's first compressed
-    # iterations (error buffers first touched, ranks settling into step)
-    # ran 0.3 s slower than the steady state in 2-warm-up runs.
-    p.add_argument('--iterations', type=int, default=6)
-    p.add_argument('--warmup', type=int, default=3)
-    p.add_argument('--rounds', type=int, default=2)
+    p.add_argument('--models', nargs='+', type=parse_model,
+                   default=[('resnet50', 4, 224), ('resnet18', 8, 128)],
+                   help='NAME:BATCH:INSIZE each (default resnet50:4:224 '
+                        'resnet18:8:128)')
+    p.add_argument('--iterations', type=int, default=3,
+                   help='timed iterations per mode and round')
+    # 3 warm-up iterations: PowerSGD's first compressed iterations (error
+    # buffers first touched, ranks settling into step) ran 0.3 s slower
+    # than the steady state in 2-warm-up runs.
+    p.add_argument('--warmup', type=int, default=3,
+                   help='untimed iterations of each mode before round 1')
+    p.add_argument('--settle', type=int, default=1,
+                   help='untimed iterations of each mode in every round')
+    p.add_argument('--rounds', type=int, default=10)
     p.add_argument('--rate', default=None,
                    help='skip calibration: the calibrated link rate')
     p.add_argument('--slow-factor', type=float, default=4.0)
@@ -154,63 +256,14 @@ def main(argv=None):
                                                    msg))
         sys.stdout.flush()
 
-    from chainermn_overlap import _kernels
-    cfg = {'model': args.model, 'batch': args.batch, 'insize': args.insize,
-           'iterations': args.iterations, 'warmup': args.warmup,
-           'rounds': args.rounds, 'trace': None,
-           'native_kernels': _kernels.native_enabled()}
-    t_compute = ob.measure_alone(cfg)
-    grad_bytes = ob.gradient_bytes(args.model)
-    log('compute {:.3f} s per iteration alone; gradients {:.1f} MB'.format(
-        t_compute, grad_bytes / 1e6))
-    if args.rate:
-        rate, calibration = netbed.parse_rate(args.rate), []
-    else:
-        rate, calibration = ob.calibrate(cfg, t_compute, grad_bytes, log)
-    log('measuring the bed\'s cost per byte at {:.0f} Mbit/s'.format(
-        rate / 1e6))
-    cost_summary, _, _, cost_cfg = comm_cost.measure(rate, steps=20,
-                                                     rounds=3)
-    cost = comm_cost.cost_per_byte(cost_summary)
-    link_bps = cost_summary['reducing']['allreduce_MB_per_s_median'] * 1e6
-    log('  {:.3g} s of compute per MB moved; allreduce {:.1f} MB/s'.format(
-        cost * 1e6, link_bps / 1e6))
     result = {'benchmark': 'float16 wire and PowerSGD on the test bed',
-              'machine': machine_description(), 'config': cfg,
-              't_compute_alone_s': t_compute,
-              'gradient_bytes': grad_bytes, 'calibration': calibration,
-              'cost': {'seconds_per_byte': cost,
-                       'allreduce_bytes_per_s': link_bps,
-                       'summary': cost_summary, 'config': cost_cfg},
-              'links': {}}
-    for name, r in (('calibrated', rate), ('slow', rate / args.slow_factor)):
-        log('{} link, {:.0f} Mbit/s'.format(name, r / 1e6))
-        run = ob.run_bed(r, dict(cfg, modes=MODES), t_compute, log)
-        # The slow link moves bytes slower; its cost per byte in compute is
-        # the kernel's and the copies', the same as at the calibrated rate.
-        rows = analyse(run, t_compute, grad_bytes, cost,
-                       link_bps * r / rate, args.model)
-        result['links'][name] = {'rate_bit_per_s': r, 'rows': rows,
-                                 'run': run}
-        for m, row in rows.items():
-            log('  {:14s} {:.3f}  (bound {:.3f}, {:.0%} of it; {:.2f} MB/it'
-                '{})'.format(row['label'], row['scalability'], row['bound'],
-                             row['fraction_of_bound'],
-                             row['bytes_per_iteration'] / 1e6,
-                             ', compression {:.3f} s/it'.format(
-                                 row['compression_seconds_per_iteration'])
-                             if row['compression_seconds_per_iteration']
-                             else ''))
-    cal, slow = result['links']['calibrated']['rows'], \
-        result['links']['slow']['rows']
-    result['checks'] = {
-        'float16 >= float32': cal['overlap_forward_float16']['scalability']
-        >= cal['overlap_forward']['scalability'],
-        'PowerSGD r=4 >= 0.95 (calibrated)':
-            cal['overlap_forward_powersgd4']['scalability'] >= 0.95,
-        'PowerSGD r=4 >= 0.85 (slow)':
-            slow['overlap_forward_powersgd4']['scalability'] >= 0.85,
-    }
+              'machine': machine_description(), 'modes': MODES,
+              'models': {}}
+    for spec in args.models:
+        result['models'][spec[0]] = measure_model(spec, args, log)
+    result['checks'] = {'{}: {}'.format(m, k): v
+                        for m, res in result['models'].items()
+                        for k, v in res['checks'].items()}
     result['seconds'] = time.time() - t_start
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, 'w') as f:

@@ -2,7 +2,7 @@
 
 An orchestrator starts copies of its own module as workers (pinned with
 ``taskset``, under ``mpiexec``, or in the network test bed of
-:mod:`benchmarks.netbed`), gives them their configuration on the command
+:mod:`testbed.netbed`), gives them their configuration on the command
 line, and reads back the one result line that rank 0 prints, tagged so that
 whatever MPI or Chainer print around it does not matter.
 """
@@ -11,18 +11,13 @@ import os
 import subprocess
 import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# The shared parts live with the test bed (which must not import the
+# benchmarks); they stay importable from here.
+from testbed._system import BLAS_ENV, ROOT, module_command  # noqa: F401
+from testbed._system import child_env as worker_env  # noqa: F401
+
 RESULTS = os.path.join(ROOT, 'benchmarks', 'results')
-# One BLAS thread per process: each rank is pinned to a core of its own, and
-# a BLAS with a thread per core would make the ranks fight over the cores.
-BLAS_ENV = {'OMP_NUM_THREADS': '1', 'OPENBLAS_NUM_THREADS': '1',
-            'MKL_NUM_THREADS': '1'}
 WORKER_FLAG = '--worker'
-
-
-def module_command(module, *args):
-    """``python -m module ARGS`` with this interpreter."""
-    return [sys.executable, '-m', module] + [str(a) for a in args]
 
 
 def worker_command(module, cfg):
@@ -31,18 +26,6 @@ def worker_command(module, cfg):
     The module's ``main`` hands it to :func:`dispatch_worker`.
     """
     return module_command(module, WORKER_FLAG, json.dumps(cfg))
-
-
-def worker_env():
-    """What a worker's environment needs on top of the inherited one.
-
-    One BLAS thread, and the repository root first on ``PYTHONPATH``: a
-    worker runs as ``python -m benchmarks.X`` in the launcher's current
-    directory (mpiexec passes it on), which need not be the root.
-    """
-    old = [p for p in os.environ.get('PYTHONPATH', '').split(os.pathsep)
-           if p]
-    return dict(BLAS_ENV, PYTHONPATH=os.pathsep.join([ROOT] + old))
 
 
 def dispatch_worker(argv, worker):

@@ -17,12 +17,18 @@ One invocation measures, for the same model, batch, link and iterations:
 5. ``overlap_forward``: ours, ``wait='forward'``.
 
 Two ranks run as separate hosts in network namespaces joined by a
-tc-shaped veth link (``benchmarks/netbed.py``), each pinned to a core of its
+tc-shaped veth link (``testbed/netbed.py``), each pinned to a core of its
 own with one BLAS thread; MPICH talks TCP over the link.  Scalability, as
 the anchor defines it, is iterations/s with N ranks divided by iterations/s
 of one rank alone.  ``alone`` runs inside the same job (each rank trains
 alone, no communication), so that the denominator is measured under the
 same load as the numerators (both cores busy).
+
+Rounds (:mod:`benchmarks.trainer`): every mode keeps one model and
+optimizer for the whole job; each round runs every mode once (one untimed,
+then ``--iterations`` timed updates), the order alternating between rounds.
+Each figure is the median over rounds of that round's scalability, with a
+95 % bootstrap interval over rounds (:mod:`benchmarks.stats`).
 
 Calibration: the link rate is chosen so that blocking lands in 0.60-0.72
 (the anchor's regime, 0.6672): from the measured compute time and the
@@ -39,7 +45,6 @@ import argparse
 import inspect
 import json
 import os
-import statistics
 import sys
 import time
 
@@ -48,10 +53,15 @@ import time
 if not __package__:
     sys.path.insert(0, os.path.abspath(os.path.join(__file__, '..', '..')))
 
-from benchmarks import anchor, launch, machine, netbed  # noqa: E402
+from benchmarks import anchor, launch, machine, trainer  # noqa: E402
 from benchmarks.launch import RESULTS, ROOT  # noqa: E402
-
-MODULE = 'benchmarks.overlap_bench'
+# Calibration and the per-round summaries live in benchmarks.bedrun.
+from benchmarks.bedrun import (  # noqa: E402,F401
+    TARGET_BLOCKING, TARGET_CENTER, TARGET_TOLERANCE, add_scalability,
+    slowest_rank_rounds,
+    calibrate, expected_seconds, gradient_bytes, measure_alone, next_rate,
+    rate_for, run_bed, summaries, summarize)
+from testbed import netbed  # noqa: E402
 
 MODES = ['alone', 'blocking', 'double_buffering', 'overlap_update',
          'overlap_forward']
@@ -60,339 +70,6 @@ MODES = ['alone', 'blocking', 'double_buffering', 'overlap_update',
 ANCHOR = {'model': 'resnet50', 'nodes': 16, 'bandwidth_bit_per_s': 10e9,
           'blocking_scalability': 0.6672, 'layerwise_scalability': 0.924,
           'latency_s': 25e-6}
-TARGET_BLOCKING = (0.60, 0.72)
-# Calibration aims at the anchor's own blocking figure and accepts a link
-# only within this distance of it (a subset of TARGET_BLOCKING): figures
-# compared with the anchor are then taken at the anchor's comm/compute ratio,
-# not anywhere in the allowed range.
-TARGET_CENTER = ANCHOR['blocking_scalability']
-TARGET_TOLERANCE = 0.025
-RESULT_TAG = 'OVERLAP_BENCH_RESULT '
-
-
-def _powersgd(rank):
-    def options():
-        import chainermn_overlap
-        # Compressed from the first update after the broadcast: an exact
-        # warm-up update's reduction would spill into the first timed
-        # iteration (with wait='forward' it is waited for there).
-        return {'compression': chainermn_overlap.PowerSGD(
-            rank=rank, warmup_iterations=0)}
-    return options
-
-
-# Ours (wait='forward') with fewer bytes on the wire (benchmarks.compression).
-WIRE_OPTIONS = {
-    'overlap_forward_float16': lambda: {'allreduce_grad_dtype': 'float16'},
-    'overlap_forward_powersgd1': _powersgd(1),
-    'overlap_forward_powersgd2': _powersgd(2),
-    'overlap_forward_powersgd4': _powersgd(4),
-}
-
-
-# ----------------------------------------------------------------------------
-# Worker: runs inside every rank (or alone for the emulation).
-
-def _make_optimizer(mode, comm, cfg):
-    import chainer
-    import chainermn
-    import chainermn_overlap
-    from chainermn_overlap.communication import emulated
-    actual = chainer.optimizers.MomentumSGD(0.01, 0.9)
-    emu = cfg.get('emulation')
-    backend = {}   # the library's default engine
-    if emu:
-        # The same engine as a real run, timed by the link model.
-        backend = {'backend': emulated.configure(
-            emu['nodes'], emu['bandwidth_bit_per_s'], emu['latency_s'])}
-    if mode == 'alone':
-        return actual
-    if mode == 'blocking':
-        mn_comm = comm
-        if emu:
-            mn_comm = anchor.EmulatedCommunicator(comm, emulated.LinkModel(
-                emu['nodes'], emu['bandwidth_bit_per_s'], emu['latency_s']))
-        return chainermn.create_multi_node_optimizer(actual, mn_comm)
-    if mode == 'double_buffering':
-        return chainermn_overlap.create_double_buffering_optimizer(
-            actual, comm, **backend)
-    options = dict(backend, wait=mode.split('_')[1])
-    options.update(WIRE_OPTIONS.get(mode, lambda: {})())
-    if cfg.get('bucket_size'):
-        options['bucket_size'] = cfg['bucket_size']
-    trace = cfg.get('trace')
-    if trace and mode == 'overlap_forward' and _trace_supported():
-        options['timeline'] = trace
-    return chainermn_overlap.create_overlapped_optimizer(actual, comm,
-                                                         **options)
-
-
-def _run_mode(mode, comm, cfg, x, t, iterations):
-    """One fresh model and optimizer: warm-up, then timed iterations."""
-    import chainer.functions as F
-    from benchmarks import workloads
-    model = workloads.build_model(cfg['model'])
-    opt = _make_optimizer(mode, comm, cfg)
-    opt.setup(model)
-
-    def lossfun():
-        return F.softmax_cross_entropy(model(x), t)
-
-    times = []
-    comm.mpi_comm.Barrier()
-    last = time.perf_counter()
-    for i in range(cfg['warmup'] + iterations):
-        if i == cfg['warmup'] and hasattr(opt, 'communication_stats'):
-            opt.communication_stats(reset=True)
-        opt.update(lossfun)
-        now = time.perf_counter()
-        if i >= cfg['warmup']:
-            times.append(now - last)
-        last = now
-    # Work still pending (wait='forward', double buffering) belongs to the
-    # timed iterations: counted in the mean throughput.
-    if hasattr(opt, 'synchronize'):
-        opt.synchronize()
-    elif hasattr(opt, 'wait'):
-        opt.wait()
-    tail = time.perf_counter() - last
-    stats = (opt.communication_stats()
-             if hasattr(opt, 'communication_stats') else None)
-    if hasattr(opt, 'close'):
-        opt.close()
-    return times, tail, stats
-
-
-def _merge_stats(a, b):
-    if a is None:
-        return b
-    out = dict(a)
-    for k in ('buckets', 'bytes', 'comm_seconds', 'wait_seconds',
-              'compression_seconds'):
-        if k in b:
-            out[k] = a.get(k, 0) + b[k]
-    c = out.get('comm_seconds') or 0
-    out['hidden_fraction'] = (1.0 - out['wait_seconds'] / c) if c else None
-    return out
-
-
-def worker(cfg):
-    """Times every mode of ``cfg['modes']``; rank 0 prints one JSON line.
-
-    Modes are interleaved in ``cfg['rounds']`` rounds (order reversed every
-    other round), so that drift of the machine's speed over the run (the
-    process warming up, other load) does not favour the modes run last.
-    """
-    import numpy as np
-    import chainermn
-    from benchmarks import workloads
-    comm = chainermn.create_communicator('naive')
-    rng = np.random.RandomState(1 + comm.rank)
-    x, t = workloads.synthetic_batch(rng, cfg['batch'], cfg['insize'])
-    rounds = max(1, min(cfg.get('rounds', 1), cfg['iterations']))
-    per_round = [cfg['iterations'] // rounds + (r < cfg['iterations'] % rounds)
-                 for r in range(rounds)]
-    acc = {m: {'times': [], 'tail': 0.0, 'stats': None}
-           for m in cfg['modes']}
-    for r in range(rounds):
-        order = cfg['modes'] if r % 2 == 0 else cfg['modes'][::-1]
-        for mode in order:
-            times, tail, stats = _run_mode(mode, comm, cfg, x, t,
-                                           per_round[r])
-            a = acc[mode]
-            a['times'] += times
-            a['tail'] += tail
-            if stats is not None:
-                a['stats'] = _merge_stats(a['stats'], stats)
-    out = {'ranks': comm.size, 'rounds': rounds, 'modes': {}}
-    for mode in cfg['modes']:
-        a = acc[mode]
-        all_times = comm.mpi_comm.gather(a['times'], root=0)
-        if comm.rank == 0:
-            out['modes'][mode] = {
-                'iteration_seconds': a['times'],
-                'iteration_seconds_by_rank': all_times,
-                'tail_seconds': a['tail'],
-                'communication_stats': a['stats']}
-    if comm.rank == 0:
-        launch.emit_result(RESULT_TAG, out)
-
-
-# ----------------------------------------------------------------------------
-# Orchestrator.
-
-def summarize(mode_result):
-    """it/s median (min, max) from per-iteration times, plus the mean."""
-    times = mode_result['iteration_seconds']
-    total = sum(times) + mode_result.get('tail_seconds', 0.0)
-    return {'it_per_s_median': 1.0 / statistics.median(times),
-            'it_per_s_min': 1.0 / max(times),
-            'it_per_s_max': 1.0 / min(times),
-            'it_per_s_mean_incl_tail': len(times) / total,
-            'iterations': len(times)}
-
-
-def add_scalability(summary):
-    """Scalability = it/s of a mode with N ranks / it/s of ``alone``."""
-    base = summary['alone']['it_per_s_median']
-    for mode, s in summary.items():
-        s['scalability'] = s['it_per_s_median'] / base
-        # Spread of the ratio from the spread of the numerator only: the
-        # denominator's spread is reported in its own row.
-        s['scalability_min'] = s['it_per_s_min'] / base
-        s['scalability_max'] = s['it_per_s_max'] / base
-    return summary
-
-
-def _trace_supported():
-    import chainermn_overlap
-    return 'timeline' in inspect.signature(
-        chainermn_overlap.create_overlapped_optimizer).parameters
-
-
-def _summaries(raw):
-    """:func:`summarize` of each mode, with its communication statistics."""
-    summary = {m: summarize(r) for m, r in raw['modes'].items()}
-    for m, r in raw['modes'].items():
-        summary[m]['communication_stats'] = r['communication_stats']
-    return summary
-
-
-def _expected_seconds(cfg, t_compute, modes_factor=2.5):
-    # Generous bound: every iteration at most modes_factor x compute, plus
-    # model construction and MPI start-up.
-    n = cfg.get('rounds', 1) * cfg['warmup'] + cfg['iterations']
-    return len(cfg['modes']) * (n * t_compute * modes_factor
-                                + 15 * cfg.get('rounds', 1)) + 60
-
-
-def run_bed(rate, cfg, t_compute, log):
-    """All ``cfg['modes']`` on a 2-rank bed at ``rate``; summary + record."""
-    timeout = 2 * _expected_seconds(cfg, t_compute)
-    load_before = os.getloadavg()
-    with netbed.NetBed(2, rate) as bed:
-        record = bed.describe()
-        log('  link {:.1f} Mbit/s, modes {} ({} warm-up + {} timed '
-            'iterations each; limit {:.0f} s)'.format(
-                rate / 1e6, ', '.join(cfg['modes']), cfg['warmup'],
-                cfg['iterations'], timeout))
-        res = bed.run_mpi(launch.worker_command(MODULE, cfg),
-                          timeout=timeout, env=launch.worker_env())
-    if res['returncode'] != 0:
-        raise RuntimeError(
-            'benchmark job at {:.0f} Mbit/s failed (exit {}).\nstdout:\n{}\n'
-            'stderr:\n{}'.format(rate / 1e6, res['returncode'],
-                                 res['stdout'][-3000:], res['stderr'][-3000:]))
-    raw = launch.read_result(res['stdout'], RESULT_TAG,
-                             'link {:.1f} Mbit/s'.format(rate / 1e6))
-    summary = _summaries(raw)
-    if 'alone' in summary:
-        add_scalability(summary)
-    return {'rate_bit_per_s': rate, 'bed': record, 'modes': summary,
-            'raw_iteration_seconds': {m: r['iteration_seconds_by_rank']
-                                      for m, r in raw['modes'].items()},
-            'seconds': res['seconds'],
-            'loadavg_before': load_before, 'loadavg_after': os.getloadavg()}
-
-
-def measure_alone(cfg, iterations=3, warmup=1):
-    """Compute time per iteration of one pinned process (for a first guess)."""
-    c = dict(cfg, modes=['alone'], iterations=iterations, warmup=warmup)
-    stdout = launch.run_pinned(launch.worker_command(MODULE, c),
-                               'timing one rank alone', timeout=600)
-    raw = launch.read_result(stdout, RESULT_TAG, 'one rank alone')
-    return statistics.median(raw['modes']['alone']['iteration_seconds'])
-
-
-def gradient_bytes(model_name):
-    from benchmarks import workloads
-    model = workloads.build_model(model_name)
-    return sum(p.array.nbytes for p in model.params())
-
-
-def rate_for(target_s, t_compute, t_comm_per_bit):
-    """Link rate at which blocking would reach scalability ``target_s``.
-
-    Blocking takes ``t_c + t_comm`` per iteration with ``t_comm`` inversely
-    proportional to the rate: ``t_comm = t_comm_per_bit / rate``.
-    """
-    t_comm = t_compute * (1.0 / target_s - 1.0)
-    return t_comm_per_bit / t_comm
-
-
-def next_rate(rate, s, t_alone, t_block, lo, hi):
-    """The next link rate to try when calibrating; pure, for testing.
-
-    Blocking scalability grows with the rate.  ``lo``/``hi`` bracket the
-    target (rates known to give too low / too high a figure, or None).  The
-    α–β estimate (communication time scales as 1/rate) proposes a rate; it
-    is kept inside the bracket and within 8x of the current rate, because a
-    noisy measurement can make it absurd (blocking faster than alone).
-    """
-    t_comm = t_block - t_alone
-    if t_comm > 0.02 * t_alone:
-        proposal = rate_for(TARGET_CENTER, t_alone, t_comm * rate)
-    else:
-        proposal = rate / 4.0   # no visible communication: link too fast
-    proposal = min(max(proposal, rate / 8.0), rate * 8.0)
-    if lo is not None and hi is not None:
-        if not lo < proposal < hi:
-            proposal = (lo * hi) ** 0.5
-    elif lo is not None and proposal <= lo:
-        proposal = lo * 2.0
-    elif hi is not None and proposal >= hi:
-        proposal = hi / 2.0
-    return max(proposal, 1e5)
-
-
-def calibrate(cfg, t_compute, nbytes, log, attempts=5):
-    """Finds a link rate where blocking lands at the anchor's 0.667.
-
-    A rate is accepted when blocking lands within ``TARGET_TOLERANCE`` of
-    ``TARGET_CENTER``; if no attempt does, the attempt closest to the centre
-    among those inside 0.60-0.72 is used (else the last proposal).
-
-    Starts from the model (2 ranks: each sends the gradient size once, at
-    about 96 % of the tbf rate as measured for MPICH over TCP here), then
-    corrects with the measured blocking time, bracketing the target so that
-    noise cannot send the search off.
-
-    Returns:
-        tuple: the rate (bit/s) and the list of attempts.
-    """
-    rate = rate_for(TARGET_CENTER, t_compute, nbytes * 8 / 0.96)
-    history = []
-    lo = hi = None
-    for attempt in range(attempts):
-        c = dict(cfg, modes=['alone', 'blocking'],
-                 iterations=max(3, cfg['iterations'] // 2),
-                 warmup=min(cfg['warmup'], 2))
-        run = run_bed(rate, c, t_compute, log)
-        s = run['modes']['blocking']['scalability']
-        t_alone = 1.0 / run['modes']['alone']['it_per_s_median']
-        t_block = 1.0 / run['modes']['blocking']['it_per_s_median']
-        history.append({'rate_bit_per_s': rate, 'blocking_scalability': s,
-                        'alone_s': t_alone, 'blocking_s': t_block})
-        log('  calibration {}: {:.1f} Mbit/s -> blocking {:.3f}'.format(
-            attempt + 1, rate / 1e6, s))
-        if abs(s - TARGET_CENTER) <= TARGET_TOLERANCE:
-            return rate, history
-        if s < TARGET_CENTER:
-            lo = rate if lo is None else max(lo, rate)
-        else:
-            hi = rate if hi is None else min(hi, rate)
-        rate = next_rate(rate, s, t_alone, t_block, lo, hi)
-    inside = [h for h in history
-              if TARGET_BLOCKING[0] <= h['blocking_scalability']
-              <= TARGET_BLOCKING[1]]
-    if inside:
-        best = min(inside, key=lambda h: abs(h['blocking_scalability']
-                                             - TARGET_CENTER))
-        rate = best['rate_bit_per_s']
-    log('  calibration did not land within {:.3f} of {:.3f} in {} attempts '
-        '(noise?); using {:.1f} Mbit/s'.format(
-            TARGET_TOLERANCE, TARGET_CENTER, attempts, rate / 1e6))
-    return rate, history
 
 
 def run_bucket_sweep(rate, cfg, t_compute, sizes, log):
@@ -477,11 +154,11 @@ def run_emulation(cfg, t_compute, nbytes, log):
     log('EMULATION: ' + settings['explanation'])
     c = dict(cfg, emulation=settings)
     t0 = time.time()
-    stdout = launch.run_pinned(launch.worker_command(MODULE, c),
+    stdout = launch.run_pinned(launch.worker_command(trainer.MODULE, c),
                                'the emulation run',
-                               timeout=2 * _expected_seconds(c, t_compute))
-    raw = launch.read_result(stdout, RESULT_TAG, 'emulation')
-    summary = _summaries(raw)
+                               timeout=2 * expected_seconds(c, t_compute))
+    raw = launch.read_result(stdout, trainer.RESULT_TAG, 'emulation')
+    summary = summaries(raw)
     add_scalability(summary)
     return {'emulation': settings, 'label': settings['label'],
             'modes': summary, 'seconds': time.time() - t0,
@@ -550,18 +227,20 @@ def plot(result, path):
 
 def _table(modes, log, title):
     log(title)
-    log('  {:<18} {:>10} {:>17} {:>11} {:>8}'.format(
-        'mode', 'it/s med', '(min, max)', 'scalability', 'hidden'))
+    log('  {:<18} {:>10} {:>17} {:>25} {:>8}'.format(
+        'mode', 'it/s med', '(min, max)', 'scalability [95% CI]', 'hidden'))
     for m in MODES:
         if m not in modes:
             continue
         s = modes[m]
         st = s.get('communication_stats') or {}
         hidden = st.get('hidden_fraction')
-        log('  {:<18} {:>10.4f} ({:>7.4f}, {:>7.4f}) {:>11.3f} {:>8}'.format(
-            m, s['it_per_s_median'], s['it_per_s_min'], s['it_per_s_max'],
-            s.get('scalability', float('nan')),
-            '' if hidden is None else '{:.0%}'.format(hidden)))
+        ci = s.get('scalability_ci') or [float('nan')] * 2
+        log('  {:<18} {:>10.4f} ({:>7.4f}, {:>7.4f}) {:>9.3f} '
+            '[{:.3f}, {:.3f}] {:>8}'.format(
+                m, s['it_per_s_median'], s['it_per_s_min'], s['it_per_s_max'],
+                s.get('scalability', float('nan')), ci[0], ci[1],
+                '' if hidden is None else '{:.0%}'.format(hidden)))
 
 
 def checks(result):
@@ -594,8 +273,6 @@ def checks(result):
 
 
 def main(argv=None):
-    if launch.dispatch_worker(argv, worker):
-        return 0
     p = argparse.ArgumentParser(description=__doc__.split('\n')[0])
     p.add_argument('--model', choices=('resnet50', 'resnet_small'),
                    default='resnet50')
@@ -604,9 +281,17 @@ def main(argv=None):
     p.add_argument('--insize', type=int, default=None,
                    help='image side (default 224 for resnet50, 64 small)')
     p.add_argument('--iterations', type=int, default=None,
-                   help='timed iterations per mode (default 6; quick 3)')
+                   help='timed iterations per mode and round (default 3; '
+                        'quick 2)')
     p.add_argument('--warmup', type=int, default=None,
-                   help='untimed iterations first (default 2; quick 1)')
+                   help='untimed iterations of each mode before the first '
+                        'round (default 2; quick 1)')
+    p.add_argument('--settle', type=int, default=1,
+                   help='untimed iterations of each mode at the start of '
+                        'every round (default 1)')
+    p.add_argument('--rounds', type=int, default=None,
+                   help='rounds at the calibrated link: each mode once per '
+                        'round, the order alternating (default 12; quick 2)')
     p.add_argument('--quick', action='store_true',
                    help='few iterations, one extra sweep rate, no overhead')
     p.add_argument('--sweep', action='store_true',
@@ -625,7 +310,7 @@ def main(argv=None):
                         '"4MiB,16MiB,64MiB") at --rate (or a calibrated '
                         'rate), one job per size; result key bucket_sweep '
                         '(use --out to keep overlap.json)')
-    p.add_argument('--time-limit', type=float, default=840,
+    p.add_argument('--time-limit', type=float, default=5400,
                    help='seconds; phases not started by then are skipped '
                         '(order: calibration and all modes, emulation, '
                         'overhead, sweep)')
@@ -637,11 +322,12 @@ def main(argv=None):
         'model': args.model,
         'batch': args.batch or (16 if small else 4),
         'insize': args.insize or (64 if small else 224),
-        'iterations': args.iterations or (3 if args.quick else 6),
+        'iterations': args.iterations or (2 if args.quick else 3),
         'warmup': args.warmup or (1 if args.quick else 2),
+        'settle': args.settle,
         'modes': list(MODES),
         'bucket_size': args.bucket_size,
-        'rounds': 1 if args.quick else 2,
+        'rounds': args.rounds or (2 if args.quick else 12),
     }
     import chainermn_overlap
     cfg['overlap_backend'] = inspect.signature(
@@ -702,10 +388,9 @@ def main(argv=None):
         log('all modes at {:.1f} Mbit/s'.format(rate / 1e6))
         trace = os.path.join(RESULTS, 'overlap_trace.rank{rank}.json')
         cal = run_bed(rate, dict(cfg, trace=trace), t_compute, log)
-        if _trace_supported():
-            result['trace'] = os.path.relpath(trace, ROOT)
-            log('timeline of wait=forward (open in https://ui.perfetto.dev '
-                'or chrome://tracing): ' + trace.format(rank='<r>'))
+        result['trace'] = os.path.relpath(trace, ROOT)
+        log('timeline of wait=forward (open in https://ui.perfetto.dev '
+            'or chrome://tracing): ' + trace.format(rank='<r>'))
         result['calibrated'] = cal
         _table(cal['modes'], log, 'calibrated link {:.1f} Mbit/s, 2 ranks '
                '(network namespaces, tc tbf, MPICH/TCP):'.format(rate / 1e6))
@@ -720,6 +405,7 @@ def main(argv=None):
         if 'calibrated' in result:
             t_local = 1.0 / result['calibrated']['modes']['alone'][
                 'it_per_s_median']
+        emu_cfg['rounds'] = max(2, cfg['rounds'] // 2)
         emu = run_emulation(emu_cfg, t_local, nbytes, log)
         result['emulation'] = emu
         _table(emu['modes'], log, emu['label'] + ':')
@@ -739,10 +425,9 @@ def main(argv=None):
         for f in factors:
             if over_budget('sweep at {:.2f}x'.format(f)):
                 break
-            # Fewer iterations, one round: the sweep shows the trend, the
-            # calibrated run above is the measurement.
-            c = dict(cfg, iterations=max(2, cfg['iterations'] // 2),
-                     warmup=min(cfg['warmup'], 1), rounds=1)
+            # Three rounds: the sweep shows the trend, the calibrated run
+            # above is the measurement.
+            c = dict(cfg, rounds=3, trace=None)
             sweep.append(run_bed(rate * f, c, t_compute, log))
             _table(sweep[-1]['modes'], log, 'link {:.1f} Mbit/s:'.format(
                 rate * f / 1e6))

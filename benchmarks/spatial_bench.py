@@ -29,7 +29,7 @@ one ``mpiexec -n P`` per process count, each rank with one BLAS thread.
 
 Exposed halo time over a shaped link (``--netbed RATE``, as root): the
 same three halo settings at 2 processes, each in a network namespace of its
-own behind a tc-shaped veth link (``benchmarks/netbed.py``: MPICH over UCX
+own behind a tc-shaped veth link (``testbed/netbed.py``: MPICH over UCX
 TCP, no shared memory, each rank pinned to a core), with each setting's
 link counters per step (bytes sent and the seconds of link time they
 need, TCP retransmissions, tail-loss probes and timeouts, qdisc drops),
@@ -57,7 +57,7 @@ import tracemalloc
 if not __package__:
     sys.path.insert(0, os.path.abspath(os.path.join(__file__, '..', '..')))
 
-from benchmarks import launch  # noqa: E402
+from benchmarks import launch, stats  # noqa: E402
 
 RESULT_TAG = 'RESULT '
 
@@ -261,7 +261,7 @@ def _worker_cmd(args, scaling):
 
 def _netbed_run(args, rate):
     """Runs :func:`halo_worker` on 2 ranks over a link of ``rate``."""
-    from benchmarks import netbed
+    from testbed import netbed
     with netbed.NetBed(2, rate) as bed:
         desc = bed.describe()
         res = bed.run_mpi(_worker_cmd(args, 'halo'),
@@ -293,7 +293,7 @@ def _netbed_run(args, rate):
 
 def run_netbed(args):
     """The halo settings over the shaped link, one bed per rate."""
-    from benchmarks import netbed
+    from testbed import netbed
     netbed.require_root()
     runs = [_netbed_run(args, rate.strip())
             for rate in args.netbed.split(',')]
@@ -399,6 +399,9 @@ def worker(args):
         sp = float(np.median(ratios))
         out.update(median_serial_step_s=float(np.median(t_serial)),
                    median_distributed_step_s=float(np.median(t_dist)))
+        # The per-round ratios and their 95 % bootstrap interval.
+        iv = stats.interval(ratios)
+        out.update(ratio_rounds=iv['values'], ratio_ci=iv['ci'])
         if weak:
             out['weak_efficiency_median_of_ratios'] = sp
         else:

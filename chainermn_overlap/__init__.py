@@ -20,6 +20,7 @@ from chainermn_overlap.errors import StallWarning  # NOQA
 from chainermn_overlap.optimizers import create_double_buffering_optimizer  # NOQA
 from chainermn_overlap.optimizers import create_overlapped_optimizer  # NOQA
 from chainermn_overlap.optimizers import DEFAULT_BUCKET_SIZE  # NOQA
+from chainermn_overlap.optimizers.sharding.rules import register_elementwise  # NOQA
 
 __version__ = '0.1.0'
 
@@ -36,6 +37,7 @@ __all__ = [
     'disable_abort_on_exception',
     'distconv',
     'enable_abort_on_exception',
+    'register_elementwise',
 ]
 
 # CHAINERMN_OVERLAP_ABORT_ON_EXCEPTION=1 installs the abort hook at import.

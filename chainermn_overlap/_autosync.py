@@ -77,11 +77,15 @@ def _wrap_serialize(fn):
     return wrapper
 
 
-def _wrap_cleargrads(fn):
+def _wrap_cleargrads(fn, fills):
     @functools.wraps(fn)
     def wrapper(self):
-        fn(self)
         state = _REGISTRY.get(self)
+        if fills and state is not None:
+            # zerograds fills param.grad in place, and param.grad may be
+            # the reduction buffer holding a pending update's mean.
+            state.before_zerograds(self)
+        fn(self)
         if state is not None:
             state.on_cleargrads(self)
     wrapper.__chainermn_overlap__ = True
@@ -116,7 +120,8 @@ def _install():
     for name in ('cleargrads', 'zerograds'):
         fn = link_module.Link.__dict__[name]
         if not hasattr(fn, '__chainermn_overlap__'):
-            setattr(link_module.Link, name, _wrap_cleargrads(fn))
+            setattr(link_module.Link, name,
+                    _wrap_cleargrads(fn, name == 'zerograds'))
             _PATCHED.append((link_module.Link, name, fn))
     if '__getstate__' not in link_module.Link.__dict__:
         link_module.Link.__getstate__ = _getstate

@@ -34,13 +34,18 @@ inspector) must agree between ranks.
     for every rank: the attempt number, 0 on the first attempt, then 1, 2,
     ...
 ``CHAINERMN_OVERLAP_PROGRESS_FILE`` (:data:`PROGRESS_FILE_ENV`)
-    Set by the launcher: a file where
-    :func:`~chainermn_overlap.extensions.auto_snapshot` records resumes and
-    snapshots (JSON lines written by rank 0), so that the launcher can tell
-    an attempt that made progress from one that did not.
+    Where :func:`~chainermn_overlap.extensions.auto_snapshot` records
+    resumes and snapshots (JSON lines written by rank 0): a file, or ``-``
+    for tagged lines on standard output, which is what the launcher sets
+    (it reads them from the job's output, from any host), so that it can
+    tell an attempt that made progress from one that did not.
 ``CHAINERMN_OVERLAP_LAUNCH_DEATHS`` (:data:`LAUNCH_DEATHS_ENV`)
-    Set by the launcher for its per-rank parent processes: a file where
-    each records how its rank ended when it ended abnormally.
+    Set (to ``-``) by the launcher for its per-rank parent processes: each
+    then writes one tagged line to stderr when its rank ended abnormally.
+``CHAINERMN_OVERLAP_LAUNCH_ID`` (:data:`LAUNCH_ID_ENV`)
+    Set by the launcher for every rank (mpiexec's ``-genv``): the job and
+    attempt (``JOB:ATTEMPT``), by which it finds and ends what is left of
+    an attempt on each host.
 ``CHAINERMN_OVERLAP_NATIVE`` (:data:`NATIVE_ENV`)
     ``0``: do not use the fused C kernels (float16 conversion, PowerSGD)
     even where they were built; numpy does the same arithmetic.  Default
@@ -50,6 +55,10 @@ inspector) must agree between ranks.
     Test suite only (:mod:`chainermn_overlap.testing.equivalence`): the
     optimizer under test, ``overlap`` (default) or ``chainermn`` (validates
     the harness with ChainerMN's own optimizer).
+``CHAINERMN_OVERLAP_TEST_SHARD`` (:data:`TEST_SHARD_ENV`)
+    Test suite only: the ``shard=`` the overlapped optimizer under test
+    gets (``optimizer``, ``gradients`` or ``parameters``; unset: none), so
+    that the same suites check every sharding mode.
 ``CHAINERMN_OVERLAP_LOGDIR`` (:data:`TEST_LOGDIR_ENV`)
     Test suite only: the folder ``tests/mpi_run.py`` gives its ranks for
     their logs; set by that launcher.
@@ -65,8 +74,9 @@ from typing import Any, Dict, Optional, Union
 __all__ = [
     'ABORT_ON_EXCEPTION_ENV', 'DEBUG_ENV', 'DEFAULT_TIMEOUT',
     'EMULATION_DEFAULTS', 'EMULATION_ENV', 'ENVIRONMENT_VARIABLES',
-    'LAUNCH_DEATHS_ENV', 'NATIVE_ENV', 'PROGRESS_FILE_ENV', 'RESTART_ENV',
-    'STALL_WARNING_ENV', 'TEST_LOGDIR_ENV', 'TEST_OPTIMIZER_ENV',
+    'LAUNCH_DEATHS_ENV', 'LAUNCH_ID_ENV', 'NATIVE_ENV',
+    'PROGRESS_FILE_ENV', 'RESTART_ENV', 'STALL_WARNING_ENV',
+    'TEST_LOGDIR_ENV', 'TEST_OPTIMIZER_ENV', 'TEST_SHARD_ENV',
     'TIMEOUT_ENV', 'parse_delay', 'parse_duration',
     'parse_emulation_settings', 'parse_flag', 'parse_rate', 'parse_seconds',
     'parse_size', 'resolve_abort_on_exception', 'resolve_debug',
@@ -84,13 +94,16 @@ ABORT_ON_EXCEPTION_ENV = 'CHAINERMN_OVERLAP_ABORT_ON_EXCEPTION'
 RESTART_ENV = 'CHAINERMN_OVERLAP_RESTART'
 PROGRESS_FILE_ENV = 'CHAINERMN_OVERLAP_PROGRESS_FILE'
 LAUNCH_DEATHS_ENV = 'CHAINERMN_OVERLAP_LAUNCH_DEATHS'
+LAUNCH_ID_ENV = 'CHAINERMN_OVERLAP_LAUNCH_ID'
 NATIVE_ENV = 'CHAINERMN_OVERLAP_NATIVE'
 TEST_OPTIMIZER_ENV = 'CHAINERMN_OVERLAP_TEST_OPTIMIZER'
 TEST_LOGDIR_ENV = 'CHAINERMN_OVERLAP_LOGDIR'
+TEST_SHARD_ENV = 'CHAINERMN_OVERLAP_TEST_SHARD'
 ENVIRONMENT_VARIABLES = (
     TIMEOUT_ENV, STALL_WARNING_ENV, DEBUG_ENV, EMULATION_ENV,
     ABORT_ON_EXCEPTION_ENV, RESTART_ENV, PROGRESS_FILE_ENV,
-    LAUNCH_DEATHS_ENV, NATIVE_ENV, TEST_OPTIMIZER_ENV, TEST_LOGDIR_ENV)
+    LAUNCH_DEATHS_ENV, LAUNCH_ID_ENV, NATIVE_ENV, TEST_OPTIMIZER_ENV,
+    TEST_LOGDIR_ENV, TEST_SHARD_ENV)
 
 # Like PyTorch's NCCL watchdog: generous enough for a slow first iteration
 # or a snapshot written by one rank, short enough not to bill hours.

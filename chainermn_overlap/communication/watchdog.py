@@ -389,9 +389,11 @@ class StallInspector(object):
 # Collective-sequence check carried by the control message
 
 def layout_fingerprint(buckets: Sequence[Any]) -> int:
-    """A 31-bit fingerprint of the bucket layout (members, sizes, dtypes)."""
-    text = '|'.join('{}:{}:{}'.format(b.plan.dtype.str, b.plan.nelems,
-                                      ','.join(b.names)) for b in buckets)
+    """A 31-bit fingerprint of the bucket layout (members, sizes, dtypes,
+    shard pieces)."""
+    text = '|'.join('{}:{}:{}:{}'.format(
+        b.plan.dtype.str, b.plan.nelems, ','.join(b.names),
+        getattr(b, 'shard_counts', '')) for b in buckets)
     return zlib.crc32(text.encode()) & 0x7fffffff
 
 

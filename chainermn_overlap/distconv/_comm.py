@@ -1,9 +1,11 @@
 """Byte movement for distconv: point-to-point exchange and small reductions.
 
-Arrays may be numpy or cupy. Messages are contiguous buffers packed by the
-caller (no MPI derived datatypes). Device arrays are staged through host
-memory because a CUDA-aware MPI cannot be assumed; the staging happens once
-per packed buffer, so it costs one device-host copy per message.
+Arrays may be numpy or cupy. Messages are contiguous host buffers packed
+and staged by the caller (:mod:`._pack`: one device-host copy per packed
+buffer; no MPI derived datatypes), because a CUDA-aware MPI cannot be
+assumed. The receives of an exchange land in one host buffer laid out as
+:func:`._pack.pieces` lays out a packed one, so the whole of it reaches
+the device in one copy and is unpacked from there.
 """
 import numpy
 
@@ -12,6 +14,7 @@ from mpi4py import MPI
 
 from chainermn_overlap._host import is_host as _is_host
 from chainermn_overlap._host import to_host
+from chainermn_overlap.distconv import _pack
 
 # One tag for every distconv message. Several exchanges can be in flight at
 # once (overlapped layers in different branches during backward), but every
@@ -33,13 +36,15 @@ class PendingExchange(object):
 
     Args:
         requests (list): The mpi4py requests.
-        host_recv (list): Host buffers the receives land in.
+        host_flat: The flat host buffer the receives land in.
+        host_recv (list): Its piece per receive (:func:`._pack.pieces`).
         host_send (list): Host send buffers, kept alive until completion.
         template: An array giving the device of the received arrays.
     """
 
-    def __init__(self, requests, host_recv, host_send, template):
+    def __init__(self, requests, host_flat, host_recv, host_send, template):
         self.requests = requests
+        self.host_flat = host_flat
         self.host_recv = host_recv
         self.host_send = host_send
         self.template = template
@@ -100,6 +105,20 @@ class PendingExchange(object):
         for i in rest:
             yield i, like(self.host_recv[i], self.template)
 
+    def wait_flat(self):
+        """Waits for every message; returns the received buffer.
+
+        Returns:
+            The flat buffer of all receives, in the order of the posted
+            receives (the packed layout of their boxes), on the device of
+            the template (one copy from the host).
+        """
+        if self.requests:
+            MPI.Request.Waitall(self.requests)
+        self.requests = []
+        self.host_send = []
+        return like(self.host_flat, self.template)
+
     def wait(self):
         """Waits for every message; returns the received arrays.
 
@@ -107,11 +126,8 @@ class PendingExchange(object):
             list: The received arrays, in the order of the posted receives,
             on the device of the template.
         """
-        if self.requests:
-            MPI.Request.Waitall(self.requests)
-        self.requests = []
-        self.host_send = []
-        return [like(buf, self.template) for buf in self.host_recv]
+        return _pack.pieces(self.wait_flat(),
+                            [buf.shape for buf in self.host_recv])
 
 
 def post_exchange(mpi_comm, sends, recvs, template):
@@ -123,16 +139,17 @@ def post_exchange(mpi_comm, sends, recvs, template):
 
     Args:
         mpi_comm: The mpi4py communicator (the grid's private one).
-        sends (iterable): ``(peer, array)`` pairs; arrays are packed
-            contiguous.
+        sends (iterable): ``(peer, array)`` pairs; arrays are contiguous
+            host arrays (:func:`._pack.staged`), or device arrays, then
+            staged here one by one.
         recvs (list): ``(peer, shape)`` pairs to receive, dtype of template.
         template: An array giving the dtype and device of received buffers.
 
     Returns:
         PendingExchange: Call its ``wait()`` to complete the messages.
     """
-    dtype = template.dtype
-    host_recv = [numpy.empty(shape, dtype=dtype) for _, shape in recvs]
+    host_flat, host_recv = _pack.alloc(numpy, [shape for _, shape in recvs],
+                                       template.dtype)
     requests = []
     # Receives are posted first so that large messages can land directly in
     # their buffers instead of the unexpected-message queue.
@@ -144,7 +161,8 @@ def post_exchange(mpi_comm, sends, recvs, template):
         buf = to_host(arr)
         host_send.append(buf)  # keep alive until Waitall
         requests.append(mpi_comm.Isend([buf, MPI.BYTE], dest=peer, tag=_TAG))
-    return PendingExchange(requests, host_recv, host_send, template)
+    return PendingExchange(requests, host_flat, host_recv, host_send,
+                           template)
 
 
 def exchange(mpi_comm, sends, recvs, template):

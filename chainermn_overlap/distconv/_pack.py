@@ -1,58 +1,128 @@
-"""Packing of halo regions into contiguous buffers, for numpy and cupy.
+"""Packing of message regions into contiguous buffers, for numpy and cupy.
 
-A region exchange sends, for each peer, the cells of one box of the local
-block (all samples and channels), and writes received boxes into a larger
-array.  This module turns a list of boxes into one contiguous buffer and
-back, with no MPI and no per-row copies:
+Every distconv message (halo exchange and its adjoint, redistribution,
+channel-parallel convolutions) is cut out of an array and written back
+into one here, with the same code on numpy and cupy (``xp`` from
+``chainer.backend.get_array_module``), so every CPU test runs the path a
+GPU runs. No MPI is involved, and no per-row copies:
 
-* :func:`pack_regions` copies ``array[..., box]`` for every box, in order,
-  each box in C order, into one flat buffer; :func:`unpack_regions` writes
-  (or, for the adjoint, adds) such a buffer back into an array.  The layout
-  is exactly the concatenation of ``ascontiguousarray(array[..., box])``
-  that the exchange sends today, so a peer cannot tell the difference.
-* ``method='slice'``: one strided copy per box (numpy's default).
-  ``method='index'``: one gather (``take``) or scatter over a cached map of
-  flat indices, a single kernel for all boxes (cupy's default); the adjoint
-  accumulates with ``scatter_add``/``add.at``, which handles cells needed by
-  several peers.  Both give the same bytes; the tests run both on numpy.
-* :class:`PinnedStaging`: reused page-locked host buffers for MPIs that are
-  not CUDA-aware (a device buffer is copied to pinned memory in one
-  transfer, and received bytes go back in one transfer).
-
-Array code goes through ``xp`` (``chainer.backend.get_array_module``); cupy
-is only touched when the arrays are cupy arrays.
+* A *region* is a box in an array's own coordinates: one ``(lo, hi)`` per
+  axis. :func:`pack` copies ``array[region]`` for every region, in order,
+  each in C order, into one flat buffer (:func:`pieces` gives the view of
+  each region's part, what one message carries); :func:`unpack` writes
+  (or, for an adjoint, adds) such a buffer back. :func:`pack_regions` and
+  :func:`unpack_regions` do the same for global spatial boxes of ``(N, C,
+  *spatial)`` arrays, all samples and channels.
+* ``method='slice'``: one strided copy per region, the default on every
+  backend (so that the CPU tests cover it). ``method='index'``: one gather
+  (``take``) or scatter over a cached map of flat indices, a single kernel
+  for all regions; its adjoint accumulates with ``add.at`` /
+  ``scatter_add``, which handles cells needed by several peers (on cupy in
+  an order that is not fixed, so the last bits of such cells may differ).
+  Both give the same bytes otherwise; the tests run both.
+* :func:`staged` hands a packed device buffer to MPI in one transfer to
+  host memory (numpy buffers are used in place); :class:`PinnedStaging`
+  keeps page-locked host buffers for callers that reuse them.
 """
 import collections
+import functools
+import math
 from typing import Any, List, Optional, Sequence, Tuple
 
 import numpy
 
 import chainer
 
+from chainermn_overlap._host import is_host
+from chainermn_overlap._host import to_host
 from chainermn_overlap.distconv import geometry
 
-__all__ = ['PinnedStaging', 'index_map', 'pack_regions', 'packed_size',
-           'unpack_regions']
+__all__ = ['PinnedStaging', 'alloc', 'copy_box', 'index_map', 'message',
+           'pack', 'pack_regions', 'packed_size', 'pieces', 'region_of',
+           'spatial_regions', 'staged', 'unpack', 'unpack_regions']
 
 METHODS = ('slice', 'index')
 _INDEX_CACHE_SIZE = 64
 _index_cache = collections.OrderedDict()
+
+Region = Tuple[Tuple[int, int], ...]
+
+
+def _shape(region):
+    return tuple(max(0, hi - lo) for lo, hi in region)
+
+
+def _size(shape):
+    # Not numpy.prod: on a few ints it costs microseconds per call, and an
+    # exchange computes dozens of these.
+    return int(math.prod(shape))
+
+
+def _slices(region):
+    return tuple(slice(lo, hi) for lo, hi in region)
 
 
 def _sel(box, origin):
     return (Ellipsis,) + geometry.box_slices(box, origin)
 
 
-def _nonempty(boxes):
-    return [b for b in boxes if not geometry.box_is_empty(b)]
+def _method(method):
+    # The same default on numpy and cupy: the CPU tests run the GPU's path.
+    if method is None:
+        return 'slice'
+    if method not in METHODS:
+        raise ValueError("method must be 'slice' or 'index', got {!r}"
+                         .format(method))
+    return method
 
 
-def _check(array, boxes, origin):
-    spatial = array.shape[2:]
+def region_of(selection: Sequence[Any], shape: Sequence[int]) -> Region:
+    """The region that ``array[selection]`` selects in an array of ``shape``.
+
+    Args:
+        selection: A basic slice of step 1, or a tuple of them with at
+            most one ``Ellipsis``.
+        shape: The array's shape.
+    """
+    sel = list(selection) if isinstance(selection, tuple) else [selection]
+    if Ellipsis in sel:
+        i = sel.index(Ellipsis)
+        sel[i:i + 1] = [slice(None)] * (len(shape) - len(sel) + 1)
+    sel += [slice(None)] * (len(shape) - len(sel))
+    out = []
+    for s, n in zip(sel, shape):
+        lo, hi, step = s.indices(n)
+        if step != 1:
+            raise ValueError('a region needs slices of step 1, got {!r}'
+                             .format(s))
+        out.append((lo, max(lo, hi)))
+    return tuple(out)
+
+
+def spatial_regions(lead: Sequence[int], boxes: Sequence[Any],
+                    origin: Sequence[int]) -> List[Region]:
+    """Regions of global spatial ``boxes`` in an ``(N, C, *spatial)`` array
+    whose cell 0 is at ``origin``, all of ``lead = (N, C)`` (an empty box is
+    an empty region)."""
+    head = tuple((0, int(n)) for n in lead)
+    out = []
+    for box in boxes:
+        if geometry.box_is_empty(box):
+            out.append(head + tuple((0, 0) for _ in box))
+        else:
+            out.append(head + tuple((lo - o, hi - o)
+                                    for (lo, hi), o in zip(box, origin)))
+    return out
+
+
+def _check_boxes(shape, boxes, origin):
+    spatial = tuple(shape[2:])
     if len(origin) != len(spatial):
         raise ValueError('origin {} has {} dimensions, the array {} spatial '
                          'ones'.format(origin, len(origin), len(spatial)))
-    for box in _nonempty(boxes):
+    for box in boxes:
+        if geometry.box_is_empty(box):
+            continue
         for (lo, hi), o, n in zip(box, origin, spatial):
             if lo < o or hi > o + n:
                 raise ValueError(
@@ -61,39 +131,102 @@ def _check(array, boxes, origin):
                         box, tuple(origin), spatial))
 
 
+def _checked_shapes(shape, regions):
+    """The shape of each region; a ValueError if one leaves the array."""
+    out = []
+    for region in regions:
+        rshape = _shape(region)
+        if len(region) != len(shape) or (_size(rshape) and any(
+                lo < 0 or hi > n for (lo, hi), n in zip(region, shape))):
+            raise ValueError('region {} does not lie inside an array of '
+                             'shape {}'.format(region, tuple(shape)))
+        out.append(rshape)
+    return out
+
+
+_Layout = collections.namedtuple('_Layout', ['regions', 'shapes', 'slices',
+                                             'sizes', 'total'])
+
+
+def _make_layout(shape, regions):
+    regions = tuple(tuple((int(lo), int(hi)) for lo, hi in r)
+                    for r in regions)
+    shapes = _checked_shapes(shape, regions)
+    sizes = tuple(_size(s) for s in shapes)
+    return _Layout(regions, tuple(shapes),
+                   tuple(_slices(r) for r in regions), sizes, sum(sizes))
+
+
+@functools.lru_cache(maxsize=1024)
+def _cached_region_layout(shape, regions):
+    return _make_layout(shape, regions)
+
+
+@functools.lru_cache(maxsize=1024)
+def _cached_box_layout(shape, boxes, origin):
+    _check_boxes(shape, boxes, origin)
+    return _make_layout(shape, spatial_regions(shape[:2], boxes, origin))
+
+
+def _region_layout(shape, regions):
+    """The validated layout of ``regions`` in an array of ``shape``.
+
+    Cached: an exchange packs the same boxes every iteration, and the
+    bookkeeping would otherwise cost more than copying a small halo.
+    """
+    try:
+        return _cached_region_layout(tuple(shape), tuple(regions))
+    except TypeError:  # unhashable (lists): computed every time
+        return _make_layout(tuple(shape), list(regions))
+
+
+def _box_layout(shape, boxes, origin):
+    """The validated layout of global spatial boxes (see
+    :func:`pack_regions`)."""
+    try:
+        return _cached_box_layout(shape, tuple(boxes), tuple(origin))
+    except TypeError:
+        _check_boxes(tuple(shape), boxes, origin)
+        return _make_layout(tuple(shape),
+                            spatial_regions(shape[:2], boxes, origin))
+
+
 def packed_size(lead: Sequence[int], boxes: Sequence[Any]) -> int:
     """Elements of the packed buffer of ``boxes`` for leading dims ``lead``."""
-    n = int(numpy.prod(lead, dtype=numpy.int64))
-    return sum(n * int(numpy.prod(geometry.box_shape(b), dtype=numpy.int64))
-               for b in _nonempty(boxes))
+    n = _size(lead)
+    return sum(n * _size(geometry.box_shape(b)) for b in boxes
+               if not geometry.box_is_empty(b))
 
 
-def _method(xp, method):
-    if method is None:
-        return 'slice' if xp is numpy else 'index'
-    if method not in METHODS:
-        raise ValueError("method must be 'slice' or 'index', got {!r}"
-                         .format(method))
-    return method
+def pieces(buffer: Any, shapes: Sequence[Tuple[int, ...]],
+           sizes: Optional[Sequence[int]] = None) -> List[Any]:
+    """Views of a flat buffer, one per shape, laid out one after another
+    (``sizes``: the shapes' sizes, if known)."""
+    if sizes is None:
+        sizes = [_size(s) for s in shapes]
+    out, off = [], 0
+    for shape, size in zip(shapes, sizes):
+        out.append(buffer[off:off + size].reshape(shape))
+        off += size
+    return out
 
 
-def index_map(shape: Tuple[int, ...], boxes: Sequence[Any],
-              origin: Sequence[int], xp: Any = numpy) -> Any:
-    """Flat indices into an array of ``shape`` of the packed layout.
+def alloc(xp: Any, shapes: Sequence[Tuple[int, ...]], dtype: Any,
+          zero: bool = False) -> Tuple[Any, List[Any]]:
+    """A flat buffer (zeros with ``zero``) and its :func:`pieces`."""
+    n = sum(_size(s) for s in shapes)
+    buf = (xp.zeros if zero else xp.empty)(n, dtype=dtype)
+    return buf, pieces(buf, shapes)
 
-    Element ``k`` of the packed buffer is element ``index_map[k]`` of the
-    flattened (C order) array.  Computed once per shape, boxes and origin
-    (cached, also on the device of ``xp``).
-    """
-    boxes = tuple(tuple(tuple(iv) for iv in b) for b in boxes)
-    key = (tuple(shape), boxes, tuple(origin), xp.__name__)
+
+def _index_map(shape, regions, xp):
+    key = (tuple(shape), tuple(regions), xp.__name__)
     got = _index_cache.get(key)
     if got is not None:
         _index_cache.move_to_end(key)
         return got
-    flat = numpy.arange(int(numpy.prod(shape, dtype=numpy.int64)),
-                        dtype=numpy.int64).reshape(shape)
-    parts = [flat[_sel(b, origin)].ravel() for b in _nonempty(boxes)]
+    flat = numpy.arange(_size(shape), dtype=numpy.int64).reshape(shape)
+    parts = [flat[_slices(r)].ravel() for r in regions if _size(_shape(r))]
     idx = (numpy.concatenate(parts) if parts
            else numpy.zeros(0, dtype=numpy.int64))
     if xp is not numpy:
@@ -104,79 +237,95 @@ def index_map(shape: Tuple[int, ...], boxes: Sequence[Any],
     return idx
 
 
-def pack_regions(xp: Any, array: Any, boxes: Sequence[Any],
-                 origin: Sequence[int], out: Any = None,
-                 method: Optional[str] = None) -> Tuple[Any, List[Any]]:
-    """Packs ``array[..., box]`` for every box into one flat buffer.
+def index_map(shape: Tuple[int, ...], boxes: Sequence[Any],
+              origin: Sequence[int], xp: Any = numpy) -> Any:
+    """Flat indices into an array of ``shape`` of the packed layout.
+
+    Element ``k`` of the packed buffer of the global spatial ``boxes`` is
+    element ``index_map[k]`` of the flattened (C order) array. Computed
+    once per shape, boxes and origin (cached, also on the device of
+    ``xp``).
+    """
+    boxes = tuple(tuple(tuple(iv) for iv in b) for b in boxes)
+    return _index_map(shape, tuple(spatial_regions(shape[:2], boxes,
+                                                   origin)), xp)
+
+
+def pack(xp: Any, array: Any, regions: Sequence[Region], out: Any = None,
+         method: Optional[str] = None,
+         copy: bool = True) -> Tuple[Any, List[Any]]:
+    """Packs ``array[region]`` for every region into one flat buffer.
 
     Args:
         xp: ``numpy`` or ``cupy`` (the module of ``array``).
-        array: ``(N, C, *spatial)``; its cell 0 is at global ``origin``.
-        boxes: global boxes inside the array (empty boxes take no room).
-        origin: global coordinate of the array's first cell.
-        out: a flat buffer of :func:`packed_size` elements to fill
-            (default: a new one).
-        method: ``'slice'`` or ``'index'`` (see the module docstring);
-            default by ``xp``.
+        array: Any array; regions are in its own coordinates.
+        regions: One ``(lo, hi)`` per axis each (empty ones take no room).
+        out: A flat buffer of the packed size to fill (default: new).
+        method: ``'slice'`` or ``'index'`` (see the module docstring).
+        copy (bool): If False, a single region whose view is already
+            C-contiguous is returned as that view (for sending; the array
+            must not change until the message has gone).
 
     Returns:
-        tuple: ``(buffer, pieces)``: the flat buffer and, per box, the view
-        of it shaped ``(N, C, *box_shape)`` (what one message carries).
+        tuple: ``(buffer, pieces)``: the flat buffer and, per region, the
+        view of it shaped like the region.
     """
-    _check(array, boxes, origin)
-    method = _method(xp, method)
-    lead = array.shape[:2]
-    n = packed_size(lead, boxes)
+    return _pack(xp, array, _region_layout(array.shape, regions), out,
+                 method, copy)
+
+
+def _pack(xp, array, layout, out, method, copy=True):
+    """:func:`pack` of a validated layout: every packing runs this."""
+    method = _method(method)
+    if not copy and out is None and len(layout.slices) == 1:
+        view = array[layout.slices[0]]
+        if view.flags.c_contiguous:
+            return view.reshape(-1), [view]
+    n = layout.total
     if out is None:
         out = xp.empty(n, dtype=array.dtype)
     elif out.ndim != 1 or out.size != n or out.dtype != array.dtype:
         raise ValueError('out must be a flat {} buffer of {} elements, got '
                          '{} {}'.format(array.dtype, n, out.dtype, out.shape))
-    pieces = _pieces(out, lead, boxes)
+    views = pieces(out, layout.shapes, layout.sizes)
     if method == 'index':
         src = xp.ascontiguousarray(array).reshape(-1)
-        xp.take(src, index_map(array.shape, boxes, origin, xp), out=out)
+        xp.take(src, _index_map(array.shape, layout.regions, xp), out=out)
     else:
-        for box, piece in zip(boxes, pieces):
-            if not geometry.box_is_empty(box):
-                piece[...] = array[_sel(box, origin)]
-    return out, pieces
+        for sl, piece, size in zip(layout.slices, views, layout.sizes):
+            if size:
+                piece[...] = array[sl]
+    return out, views
 
 
-def _pieces(buf, lead, boxes):
-    pieces, off = [], 0
-    for box in boxes:
-        shape = tuple(lead) + geometry.box_shape(box)
-        if geometry.box_is_empty(box):
-            shape = tuple(lead) + tuple(0 for _ in box)
-        size = int(numpy.prod(shape, dtype=numpy.int64))
-        pieces.append(buf[off:off + size].reshape(shape))
-        off += size
-    return pieces
+def unpack(xp: Any, buffer: Any, array: Any, regions: Sequence[Region],
+           accumulate: bool = False, method: Optional[str] = None) -> Any:
+    """Writes (or adds) a packed buffer into ``array[region]``, in place.
 
-
-def unpack_regions(xp: Any, buffer: Any, array: Any, boxes: Sequence[Any],
-                   origin: Sequence[int], accumulate: bool = False,
-                   method: Optional[str] = None) -> Any:
-    """Writes (or adds) a packed buffer into ``array[..., box]``, in place.
-
-    The inverse of :func:`pack_regions` for ``accumulate=False`` (boxes
-    must not overlap then), its adjoint for ``accumulate=True`` (cells of
-    overlapping boxes receive the sum of their copies).
+    The inverse of :func:`pack` for ``accumulate=False`` (regions must not
+    overlap then), its adjoint for ``accumulate=True`` (cells of
+    overlapping regions receive the sum of their copies, added in the
+    order of the regions).
 
     Args:
         xp: ``numpy`` or ``cupy``.
-        buffer: the flat packed buffer.
-        array: ``(N, C, *spatial)``, C-contiguous for ``method='index'``.
-        boxes, origin, method: as in :func:`pack_regions`.
-        accumulate (bool): add instead of overwrite.
+        buffer: The flat packed buffer (or any array of that many
+            elements, e.g. one received message).
+        array: The destination, C-contiguous for ``method='index'``.
+        regions, method: As in :func:`pack`.
+        accumulate (bool): Add instead of overwrite.
 
     Returns:
         ``array``.
     """
-    _check(array, boxes, origin)
-    method = _method(xp, method)
-    n = packed_size(array.shape[:2], boxes)
+    return _unpack(xp, buffer, array, _region_layout(array.shape, regions),
+                   accumulate, method)
+
+
+def _unpack(xp, buffer, array, layout, accumulate, method):
+    """:func:`unpack` of a validated layout: every unpacking runs this."""
+    method = _method(method)
+    n = layout.total
     if buffer.size != n:
         raise ValueError('the buffer holds {} elements, the boxes {}'
                          .format(buffer.size, n))
@@ -185,26 +334,88 @@ def unpack_regions(xp: Any, buffer: Any, array: Any, boxes: Sequence[Any],
             raise ValueError("method='index' writes through a flat view: "
                              'the array must be C-contiguous')
         flat = array.reshape(-1)
-        idx = index_map(array.shape, boxes, origin, xp)
+        idx = _index_map(array.shape, layout.regions, xp)
         values = buffer.reshape(-1)
-        if accumulate:
-            if xp is numpy:
-                numpy.add.at(flat, idx, values)
-            else:
-                import cupyx
-                cupyx.scatter_add(flat, idx, values)
-        else:
+        if not accumulate:
             flat[idx] = values
-        return array
-    for box, piece in zip(boxes, _pieces(buffer.reshape(-1),
-                                         array.shape[:2], boxes)):
-        if geometry.box_is_empty(box):
-            continue
-        if accumulate:
-            array[_sel(box, origin)] += piece
+        elif xp is numpy:
+            numpy.add.at(flat, idx, values)
         else:
-            array[_sel(box, origin)] = piece
+            import cupyx
+            cupyx.scatter_add(flat, idx, values)
+        return array
+    flat, off = buffer.reshape(-1), 0
+    for sl, shape, size in zip(layout.slices, layout.shapes, layout.sizes):
+        if size:
+            piece = flat[off:off + size].reshape(shape)
+            if accumulate:
+                array[sl] += piece
+            else:
+                array[sl] = piece
+        off += size
     return array
+
+
+def pack_regions(xp: Any, array: Any, boxes: Sequence[Any],
+                 origin: Sequence[int], out: Any = None,
+                 method: Optional[str] = None) -> Tuple[Any, List[Any]]:
+    """:func:`pack` of global spatial boxes of an ``(N, C, *spatial)``
+    array whose cell 0 is at ``origin`` (all samples and channels).
+
+    Returns:
+        tuple: ``(buffer, pieces)``, each piece ``(N, C, *box_shape)``.
+    """
+    return _pack(xp, array, _box_layout(array.shape, boxes, origin), out,
+                 method)
+
+
+def unpack_regions(xp: Any, buffer: Any, array: Any, boxes: Sequence[Any],
+                   origin: Sequence[int], accumulate: bool = False,
+                   method: Optional[str] = None) -> Any:
+    """:func:`unpack` into global spatial boxes (see :func:`pack_regions`).
+
+    Returns:
+        ``array``.
+    """
+    return _unpack(xp, buffer, array, _box_layout(array.shape, boxes, origin),
+                   accumulate, method)
+
+
+def copy_box(dst: Any, dst_origin: Sequence[int], src: Any,
+             src_origin: Sequence[int], box: Any,
+             accumulate: bool = False) -> None:
+    """``dst[..., box] = src[..., box]`` (``+=`` with ``accumulate``) for a
+    global spatial box inside both arrays; an empty box copies nothing."""
+    for lo, hi in box:
+        if hi <= lo:
+            return
+    if accumulate:
+        dst[_sel(box, dst_origin)] += src[_sel(box, src_origin)]
+    else:
+        dst[_sel(box, dst_origin)] = src[_sel(box, src_origin)]
+
+
+def staged(buffer: Any, views: Sequence[Any]) -> List[numpy.ndarray]:
+    """Host arrays of a packed buffer's pieces, for MPI.
+
+    numpy: the pieces themselves. A device buffer is copied to host memory
+    in one transfer, and views of that copy are returned.
+    """
+    if type(buffer) is numpy.ndarray or is_host(buffer):
+        return list(views)
+    return pieces(to_host(buffer), [v.shape for v in views])
+
+
+def message(xp: Any, array: Any, region: Optional[Region] = None,
+            dtype: Any = None) -> numpy.ndarray:
+    """One message: ``array[region]`` (default: all of it) as a contiguous
+    host array, in ``dtype`` if given (no copy when it already is one)."""
+    if dtype is not None and array.dtype != dtype:
+        array = array.astype(dtype)
+    if region is None:
+        region = tuple((0, n) for n in array.shape)
+    buf, views = pack(xp, array, [region], copy=False)
+    return staged(buf, views)[0]
 
 
 class PinnedStaging(object):
@@ -212,9 +423,10 @@ class PinnedStaging(object):
 
     For MPIs that are not CUDA-aware: a packed device buffer goes to host
     memory in one transfer (page-locked, so the copy runs at full speed),
-    and a received host buffer goes back in one.  On numpy arrays nothing
-    is copied.  Buffers are kept per (slot, dtype, size), so a repeated
-    exchange allocates nothing.
+    and a received host buffer goes back in one. On numpy arrays nothing
+    is copied. Buffers are kept per (slot, dtype, size), so a repeated
+    exchange allocates nothing; a slot must not be reused while a message
+    from it is still in flight.
     """
 
     def __init__(self) -> None:

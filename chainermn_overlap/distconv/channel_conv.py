@@ -53,6 +53,7 @@ import numpy
 from mpi4py import MPI
 
 from chainermn_overlap.distconv import _comm
+from chainermn_overlap.distconv import _pack
 from chainermn_overlap.distconv import geometry
 
 if TYPE_CHECKING:
@@ -133,10 +134,11 @@ class _Messages(object):
     """This node's point-to-point messages on the channel communicator.
 
     Receives are posted up front into host buffers; each send is posted
-    when its block is computed (device blocks are staged through the host,
-    see :mod:`._comm`). :meth:`progress` lets MPI move data between two
-    products; :meth:`received` waits for one message; :meth:`close`
-    completes every send. Every coordinate posts the same messages in the
+    when its block is computed, packed and staged through the host by
+    :func:`._pack.message` (no copy for a contiguous host block).
+    :meth:`progress` lets MPI move data between two products;
+    :meth:`received` waits for one message; :meth:`close` completes every
+    send. Every coordinate posts the same messages in the
     same order (the same graph runs everywhere).
     """
 
@@ -156,7 +158,8 @@ class _Messages(object):
                                               tag=_TAG)
 
     def send(self, peer, arr):
-        buf = numpy.ascontiguousarray(_comm.to_host(arr), dtype=self.dtype)
+        buf = _pack.message(backend.get_array_module(arr), arr,
+                            dtype=self.dtype)
         self.send_buf.append(buf)  # alive until close()
         self.send_req.append(self.comm.Isend([buf, MPI.BYTE], dest=peer,
                                              tag=_TAG))
@@ -326,7 +329,9 @@ class _ScatterConvolutionGrad(_NoDoubleBackprop):
         colf = win.im2col(x) if self.need_gw else None
         for q in [r] + takes:
             qlo, qhi = blocks[q]
-            g_all[:, qlo:qhi] = gyf if q == r else msgs.received(q)
+            _pack.unpack(xp, gyf if q == r else msgs.received(q), g_all,
+                         [_pack.region_of((slice(None), slice(qlo, qhi)),
+                                          g_all.shape)])
             if self.need_gw:
                 # The weight rows of block q while the next block travels.
                 _grad_of_w(g_all[:, qlo:qhi], colf, gW2[qlo:qhi])
@@ -454,7 +459,6 @@ class _GatherConvolutionGrad(_NoDoubleBackprop):
         r = grid.channel_rank
         x = xs[r]
         xp = backend.get_array_module(gy)
-        n = gy.shape[0]
         gyf = _by_cells(xp.ascontiguousarray(gy))
         W2 = _rows(W)
         blocks = _blocks(grid, fwd.c_in)

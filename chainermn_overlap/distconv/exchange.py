@@ -11,6 +11,7 @@ import chainer.functions
 import numpy
 
 from chainermn_overlap.distconv import _comm
+from chainermn_overlap.distconv import _pack
 from chainermn_overlap.distconv import geometry
 
 if TYPE_CHECKING:
@@ -20,12 +21,32 @@ if TYPE_CHECKING:
 __all__ = ['RegionExchange', 'RegionExchangeAdjoint', 'region_exchange']
 
 
-def _sel(box, origin):
-    return (Ellipsis,) + geometry.box_slices(box, origin)
+_sel = _pack._sel
 
 
 def _origin(box):
     return tuple(iv[0] for iv in box)
+
+
+def _post(grid, x, origin, send_boxes, recv_boxes, template=None):
+    """Packs the send boxes of ``x`` (cell 0 at ``origin``) into one buffer
+    and posts them with receives of the ``recv_boxes``.
+
+    Args:
+        send_boxes, recv_boxes (list): ``(peer, box)`` pairs.
+
+    Returns:
+        _comm.PendingExchange: The messages in flight.
+    """
+    xp = backend.get_array_module(x)
+    buf, pieces = _pack.pack_regions(xp, x, [b for _, b in send_boxes],
+                                     origin)
+    lead = x.shape[:2]
+    return _comm.post_exchange(
+        grid.mpi_spatial,
+        list(zip([p for p, _ in send_boxes], _pack.staged(buf, pieces))),
+        [(peer, lead + geometry.box_shape(box)) for peer, box in recv_boxes],
+        x if template is None else template)
 
 
 class RegionExchange(function_node.FunctionNode):
@@ -55,22 +76,20 @@ class RegionExchange(function_node.FunctionNode):
         plan = self.plan
         xp = backend.get_array_module(x)
         own0, ext0 = _origin(plan.own), _origin(plan.ext)
-        lead = x.shape[:2]
-        y = xp.full(lead + geometry.box_shape(plan.ext), self.fill,
+        t0 = time.perf_counter()
+        pending = _post(self.grid, x, own0, plan.sends, plan.recvs)
+        posting = time.perf_counter() - t0
+        # The local part is copied while the messages travel.
+        y = xp.full(x.shape[:2] + geometry.box_shape(plan.ext), self.fill,
                     dtype=x.dtype)
         if plan.local is not None:
-            y[_sel(plan.local, ext0)] = x[_sel(plan.local, own0)]
-        sends = [(peer, xp.ascontiguousarray(x[_sel(box, own0)]))
-                 for peer, box in plan.sends]
-        recvs = [(peer, lead + geometry.box_shape(box))
-                 for peer, box in plan.recvs]
+            _pack.copy_box(y, ext0, x, own0, plan.local)
         t0 = time.perf_counter()
-        got = _comm.exchange(self.grid.mpi_spatial, sends, recvs, x)
-        # Blocking: the whole exchange is exposed (compare with the waits
+        got = pending.wait_flat()
+        # Blocking: posting and waiting are exposed (compare with the waits
         # of the overlapped path, HaloFinish/HaloStart).
-        self.grid.stats['forward_wait_s'] += time.perf_counter() - t0
-        for (_, box), buf in zip(plan.recvs, got):
-            y[_sel(box, ext0)] = buf
+        self.grid.stats['forward_wait_s'] += posting + time.perf_counter() - t0
+        _pack.unpack_regions(xp, got, y, [b for _, b in plan.recvs], ext0)
         return y,
 
     def backward(self, indexes, grad_outputs):
@@ -103,20 +122,19 @@ class RegionExchangeAdjoint(function_node.FunctionNode):
         plan = self.plan
         xp = backend.get_array_module(g)
         own0, ext0 = _origin(plan.own), _origin(plan.ext)
-        lead = g.shape[:2]
+        # The roles are mirrored: what was received is sent back.
+        t0 = time.perf_counter()
+        pending = _post(self.grid, g, ext0, plan.recvs, plan.sends)
+        posting = time.perf_counter() - t0
         gx = xp.zeros(self.x_shape, dtype=g.dtype)
         if plan.local is not None:
-            gx[_sel(plan.local, own0)] += g[_sel(plan.local, ext0)]
-        # The roles are mirrored: what was received is sent back.
-        sends = [(peer, xp.ascontiguousarray(g[_sel(box, ext0)]))
-                 for peer, box in plan.recvs]
-        recvs = [(peer, lead + geometry.box_shape(box))
-                 for peer, box in plan.sends]
+            _pack.copy_box(gx, own0, g, ext0, plan.local, accumulate=True)
         t0 = time.perf_counter()
-        got = _comm.exchange(self.grid.mpi_spatial, sends, recvs, g)
-        self.grid.stats['backward_wait_s'] += time.perf_counter() - t0
-        for (_, box), buf in zip(plan.sends, got):
-            gx[_sel(box, own0)] += buf
+        got = pending.wait_flat()
+        self.grid.stats['backward_wait_s'] += (posting + time.perf_counter()
+                                               - t0)
+        _pack.unpack_regions(xp, got, gx, [b for _, b in plan.sends], own0,
+                             accumulate=True)
         return gx,
 
     def backward(self, indexes, grad_outputs):
@@ -226,7 +244,8 @@ class HaloState(object):
         the seconds blocked to ``<direction>_wait_s``.
 
         Returns:
-            list: The received arrays.
+            The flat buffer of the received messages (their packed
+            layout), on the device.
         """
         if direction == 'forward':
             pending, self.pending = self.pending, None
@@ -238,7 +257,7 @@ class HaloState(object):
             if pending.completed:
                 stats[direction + '_halos_ready'] += 1
         t0 = time.perf_counter()
-        got = pending.wait()
+        got = pending.wait_flat()
         stats[direction + '_wait_s'] += time.perf_counter() - t0
         return got
 
@@ -282,12 +301,7 @@ class HaloStart(function_node.FunctionNode):
         xp = backend.get_array_module(x)
         own0 = _origin(plan.own)
         st.x_shape, st.dtype = x.shape, x.dtype
-        sends = [(peer, xp.ascontiguousarray(x[_sel(box, own0)]))
-                 for peer, box in plan.sends]
-        recvs = [(peer, x.shape[:2] + geometry.box_shape(box))
-                 for peer, box in plan.recvs]
-        st.pending = _comm.post_exchange(st.grid.mpi_spatial, sends, recvs,
-                                         x)
+        st.pending = _post(st.grid, x, own0, plan.sends, plan.recvs)
         return (xp.zeros((0,), dtype=x.dtype),) + tuple(
             _views(x, self.in_boxes, own0))
 
@@ -303,13 +317,13 @@ class HaloStart(function_node.FunctionNode):
         for box, g in zip(self.in_boxes, grad_outputs[1:]):
             if g is not None and not geometry.box_is_empty(box):
                 gx[_sel(box, own0)] += g.array
-        for sel, g in st.local_grads:
-            gx[sel] += g
+        for part, g, o0 in st.local_grads:
+            _pack.copy_box(gx, own0, g, o0, part, accumulate=True)
         st.local_grads = []
         if st.adjoint_pending is not None:
-            got = st.wait('backward')
-            for (_, box), buf in zip(plan.sends, got):
-                gx[_sel(box, own0)] += buf
+            _pack.unpack_regions(xp, st.wait('backward'), gx,
+                                 [b for _, b in plan.sends], own0,
+                                 accumulate=True)
         return chainer.Variable(gx),
 
 
@@ -365,9 +379,11 @@ class HaloFinish(function_node.FunctionNode):
         st = self.state
         plan = st.plan
         xp = backend.get_array_module(x)
-        got = st.wait('forward')
         own0 = _origin(plan.own)
         lead = x.shape[:2]
+        got = _pack.pieces(st.wait('forward'),
+                           [lead + geometry.box_shape(rbox)
+                            for _, rbox in plan.recvs])
         outs = []
         for box in self.boxes:
             out = xp.full(lead + geometry.box_shape(box), self.fill,
@@ -375,13 +391,11 @@ class HaloFinish(function_node.FunctionNode):
             if not geometry.box_is_empty(box):
                 o0 = _origin(box)
                 if plan.local is not None:
-                    part = geometry.intersect(plan.local, box)
-                    if not geometry.box_is_empty(part):
-                        out[_sel(part, o0)] = x[_sel(part, own0)]
+                    _pack.copy_box(out, o0, x, own0,
+                                   geometry.intersect(plan.local, box))
                 for (_, rbox), buf in zip(plan.recvs, got):
-                    part = geometry.intersect(rbox, box)
-                    if not geometry.box_is_empty(part):
-                        out[_sel(part, o0)] = buf[_sel(part, _origin(rbox))]
+                    _pack.copy_box(out, o0, buf, _origin(rbox),
+                                   geometry.intersect(rbox, box))
             outs.append(out)
         return tuple(outs)
 
@@ -397,9 +411,11 @@ class HaloFinish(function_node.FunctionNode):
         arrays = [g for g in grads if g is not None]
         xp = backend.get_array_module(*arrays) if arrays else numpy
         lead = st.x_shape[:2]
-        own0 = _origin(plan.own)
-        back = [xp.zeros(lead + geometry.box_shape(rbox), dtype=st.dtype)
-                for _, rbox in plan.recvs]
+        # The messages back are built in one packed buffer (zeros plus the
+        # boxes' gradients), so they leave in one transfer.
+        flat, back = _pack.alloc(xp, [lead + geometry.box_shape(rbox)
+                                      for _, rbox in plan.recvs],
+                                 st.dtype, zero=True)
         local = []
         for box, g in zip(self.boxes, grads):
             if g is None or geometry.box_is_empty(box):
@@ -408,17 +424,17 @@ class HaloFinish(function_node.FunctionNode):
             if plan.local is not None:
                 part = geometry.intersect(plan.local, box)
                 if not geometry.box_is_empty(part):
-                    local.append((_sel(part, own0), g[_sel(part, o0)]))
+                    local.append((part, g, o0))
             for (_, rbox), buf in zip(plan.recvs, back):
-                part = geometry.intersect(rbox, box)
-                if not geometry.box_is_empty(part):
-                    buf[_sel(part, _origin(rbox))] += g[_sel(part, o0)]
+                _pack.copy_box(buf, _origin(rbox), g, o0,
+                               geometry.intersect(rbox, box),
+                               accumulate=True)
         st.local_grads = local
         # The roles are mirrored: what was received goes back to its owner;
         # the owner waits for it in HaloStart.backward.
         st.adjoint_pending = _comm.post_exchange(
             st.grid.mpi_spatial,
-            [(peer, buf) for (peer, _), buf in zip(plan.recvs, back)],
+            list(zip([p for p, _ in plan.recvs], _pack.staged(flat, back))),
             [(peer, lead + geometry.box_shape(box))
              for peer, box in plan.sends], xp.empty((0,), dtype=st.dtype))
         out = []

@@ -23,8 +23,8 @@ import numpy
 from chainermn_overlap.distconv import _comm
 from chainermn_overlap.distconv import channel_conv
 from chainermn_overlap.distconv import channels as channels_mod
-from chainermn_overlap.distconv import exchange
 from chainermn_overlap.distconv import geometry
+from chainermn_overlap.distconv import window_ops
 
 if TYPE_CHECKING:
     from chainer.types import NdArray
@@ -62,135 +62,6 @@ def _shape_of(v):
     if v is None:
         return None
     return tuple(v.shape) if v.shape is not None else None
-
-
-def _window_apply(grid, x, layer, layout, ksize, stride, pad, dilate,
-                  cover_all, fill, op, out_channels, extra=(), depth=1):
-    """Runs a window operation on this process's output block.
-
-    Four paths, chosen from global information only (so every process
-    builds the same graph, which keeps the order of collective operations
-    in backward the same everywhere):
-
-    * one process per sample group (``grid.spatial_size == 1``): each
-      process holds whole samples, so ``op`` runs directly on the block
-      with the layer's padding, exactly the single-process Chainer call,
-      without any distconv machinery;
-    * no process needs cells it does not own (1x1 kernels, aligned
-      pooling): ``op`` runs on a view of the block, without messages;
-    * ``grid.overlap``: the halo messages are posted, the interior of the
-      output (windows inside the owned block) is computed on views of the
-      block while they are in flight, in ``grid.progress_pieces`` pieces
-      with an MPI progress call between two pieces (MPI moves data only
-      inside MPI calls), then the boundary slabs are computed from small
-      boxes built from the block, the halos and the padding. In backward
-      the adjoint messages are posted before the interior's gradients
-      (input and parameters) are computed, piece by piece with progress
-      calls in between. No copy of the whole block is made;
-    * otherwise the blocking :class:`RegionExchange` builds the whole
-      needed box (block, halos and padding) and ``op`` runs on it.
-
-    Args:
-        op (callable): ``op(x_in, in_box)`` runs the Chainer function
-            without padding on the input box ``x_in`` (global box
-            ``in_box``) and returns a Variable; ``op(x, None)`` runs it
-            with the layer's own padding and ``cover_all`` on whole samples.
-        out_channels (int): Channels of the output.
-        extra (tuple): Other inputs of ``op`` (parameters), given gradients
-            (zeros) where a piece is empty.
-        depth (int): Number of FunctionNodes ``op`` chains, mirrored on
-            empty pieces so that every process's graph has the same depth.
-
-    Returns:
-        chainer.Variable: This process's output block.
-    """
-    in_shape = layout.spatial_shape
-    out_shape = tuple(geometry.output_size(n, k, s, p, d, cover_all)
-                      for n, k, s, p, d
-                      in zip(in_shape, ksize, stride, pad, dilate))
-    if any(n <= 0 for n in out_shape):
-        raise ValueError(
-            '%s: the global input of spatial size %r is too small for '
-            'ksize=%r, stride=%r, pad=%r, dilate=%r (output size %r). Use '
-            'a larger input, more padding or a smaller kernel.'
-            % (layer, in_shape, ksize, stride, pad, dilate, out_shape))
-    lead = (x.shape[0], out_channels)
-
-    def run(x_in, in_box, box, depth=depth):
-        shape = lead + geometry.box_shape(box)
-        if numpy.prod(shape) == 0:
-            y = exchange.ZeroBlock(shape).apply((x_in,) + tuple(extra))[0]
-            for _ in range(depth - 1):
-                y = F.identity(y)
-            return y
-        return op(x_in, in_box)
-
-    if grid.spatial_size == 1:
-        # Whole samples: nothing to exchange, nothing to split. The direct
-        # Chainer call is one FunctionNode on every process (op's direct
-        # form), so empty sample groups mirror depth 1.
-        grid.stats['exchange_none'] += 1
-        if x.shape[0] == 0:
-            return run(x, None, tuple((0, n) for n in out_shape), depth=1)
-        return op(x, None)
-    (plan, _, out_box, interior, slabs, interior_in, slab_ins,
-     any_halo) = geometry.overlap_plan(
-        in_shape, grid.shape, ksize, stride, pad, dilate, bool(cover_all),
-        grid.spatial_rank)
-
-    own0 = tuple(iv[0] for iv in plan.own)
-    if not any_halo:
-        grid.stats['exchange_none'] += 1
-        box = plan.ext if not geometry.box_is_empty(out_box) else tuple(
-            (lo, lo) for lo in own0)
-        return run(x[(Ellipsis,) + geometry.box_slices(box, own0)], box,
-                   out_box)
-    if not grid.overlap:
-        grid.stats['exchange_blocking'] += 1
-        x_ext = exchange.region_exchange(grid, x, plan, fill)
-        return run(x_ext, plan.ext, out_box)
-    grid.stats['exchange_overlapped'] += 1
-    n_pieces = _interior_pieces(grid, out_shape, out_channels)
-    pieces = geometry.split_box(interior, n_pieces)
-    piece_ins = [geometry.window_input_box(b, ksize, stride, pad, dilate)
-                 for b in pieces]
-    state = exchange.HaloState(grid, plan)
-    outs = exchange.HaloStart(state, piece_ins).apply((x,))
-    token, views = outs[0], outs[1:]
-    ys = []
-    for view, in_box, box in zip(views, piece_ins, pieces):
-        if ys:
-            # Orders this piece after the previous one (in backward: its
-            # gradient before the previous one's), with a progress call in
-            # between. Without a gradient for the block there are no
-            # adjoint messages to drive, so the order only matters in
-            # forward: a plain array keeps the piece out of backward's
-            # input-gradient computation.
-            after = ys[-1] if x.requires_grad else ys[-1].array
-            view = exchange.HaloProgress(state).apply((view, after))[0]
-        ys.append(run(view, in_box, box))
-    x_slabs = exchange.HaloFinish(state, slab_ins, fill).apply(
-        (x, token, ys[-1]))
-    ys += [run(xs, box, slab)
-           for xs, box, slab in zip(x_slabs, slab_ins, slabs)]
-    return exchange.Assemble(out_box, pieces + list(slabs)).apply(ys)[0]
-
-
-def _interior_pieces(grid, out_shape, out_channels):
-    """Number of interior pieces, the same on every process.
-
-    Depends on global sizes only (the graph, and so the order of collective
-    operations in backward, must be the same everywhere). Pieces below
-    ``grid.progress_min_cells`` output values per sample are not worth
-    their per-call overhead (a few Chainer calls each).
-    """
-    pieces = max(1, int(grid.progress_pieces))
-    if pieces == 1:
-        return 1
-    per_process = int(numpy.prod(out_shape)) * out_channels \
-        // grid.spatial_size
-    affordable = per_process // max(1, int(grid.progress_min_cells))
-    return max(1, min(pieces, affordable))
 
 
 def _check_grid_ndim(grid, ndim, layer):
@@ -270,57 +141,22 @@ def convolution_nd(grid: SpatialGrid, x: Input, W: Input,
         ValueError: On a bad layout or arguments (on every process).
     """
     layer = _layer or 'distconv.convolution_nd'
-    if split not in _SPLITS:
-        raise ValueError("%s: split must be 'spatial', 'filter' or "
-                         "'channel', got %r" % (layer, split))
-    split_output = bool(split_output)
-    split_input = bool(split_input)
-    if split_output and split != 'channel':
-        raise ValueError("%s: split_output=True needs split='channel' (got "
-                         "split=%r): only partial sums over input channel "
-                         "blocks can be reduce-scattered." % (layer, split))
-    if split_input and split != 'filter':
-        raise ValueError("%s: split_input=True needs split='filter' (got "
-                         "split=%r): a 'channel' layer takes split input "
-                         "channels already." % (layer, split))
+    split_output, split_input = _check_split(layer, split, split_output,
+                                             split_input)
     x = chainer.as_variable(x)
     W = chainer.as_variable(W)
-    if split == 'spatial':
-        wsig, bsig = _shape_of(W), _shape_of(b)
-    elif split == 'filter':
-        # The blocks differ between channel coordinates; the totals (from a
-        # link) or the shapes they share are what must agree.
-        wsig, bsig = (_totals, _shape_of(W)[1:]), b is None
-    else:
-        wsig, bsig = (_totals, _shape_of(W)[:1] + _shape_of(W)[2:]), \
-            _shape_of(b)
     fuse = (grid.channel_overlap and grid.channels > 1
             and grid.spatial_size == 1 and (split_output or split_input))
     # Whether gradients are needed decides which messages the overlapped
     # nodes exchange in backward, so it must agree along the channel axis.
     needs = (x.requires_grad, W.requires_grad) if fuse else ()
-    sig = (layer, split, split_output, split_input, wsig, bsig, repr(stride),
-           repr(pad), bool(cover_all), repr(dilate), repr(groups), fuse,
-           needs)
+    sig = (layer, split, split_output, split_input) + _param_signature(
+        split, W, b, _totals) + (repr(stride), repr(pad), bool(cover_all),
+                                 repr(dilate), repr(groups), fuse, needs)
     layout = grid.check_spatial(
         x, layer, sig, channel_split=(split == 'channel' or split_input))
-    ndim = grid.ndim
-    if W.ndim != 2 + ndim:
-        raise ValueError('%s: W must have shape (C_out, C_in/groups, %d '
-                         'kernel sizes) for grid %r, got %r'
-                         % (layer, ndim, grid.shape, W.shape))
-    ksize = tuple(W.shape[2:])
-    stride = _ntuple(stride, ndim, 'stride', layer, 1)
-    pad = _ntuple(pad, ndim, 'pad', layer, 0)
-    dilate = _ntuple(dilate, ndim, 'dilate', layer, 1)
-    if not isinstance(groups, (int, numpy.integer)) or groups < 1:
-        raise ValueError('%s: groups must be a positive int, got %r'
-                         % (layer, groups))
-    if split != 'spatial' and groups != 1:
-        raise ValueError(
-            "%s: split=%r needs groups=1 (got %d): channel blocks would "
-            "have to align with the groups. Use split='spatial' for grouped "
-            "convolutions." % (layer, split, groups))
+    ksize, stride, pad, dilate = _conv_window(grid, layer, W, stride, pad,
+                                              dilate, groups, split)
     c_out, c_in = W.shape[0], W.shape[1] * groups
     if split == 'channel':
         c_in = x.shape[1]
@@ -342,6 +178,72 @@ def convolution_nd(grid: SpatialGrid, x: Input, W: Input,
             x = channels_mod.gather_channels(grid, x)
         c_in = x.shape[1]
         layout = layout._replace(channels=c_in)
+    _check_conv_channels(grid, layer, split, x, W, c_in, c_out, groups)
+    if fuse and split_output:
+        grid.stats['exchange_none'] += 1
+        grid.stats['channel_overlapped'] += 1
+        y = channel_conv.ScatterConvolution(
+            grid, c_out, ksize, stride, pad, dilate, cover_all).apply(
+                (x, W))[0]
+        return _add_bias_block(grid, y, b, c_out)
+    return _window_convolution(grid, x, W, b, layer, layout, ksize, stride,
+                               pad, dilate, cover_all, groups, split,
+                               split_output)
+
+
+def _check_split(layer, split, split_output, split_input):
+    """Validates the split arguments; returns the two flags as bools."""
+    if split not in _SPLITS:
+        raise ValueError("%s: split must be 'spatial', 'filter' or "
+                         "'channel', got %r" % (layer, split))
+    split_output = bool(split_output)
+    split_input = bool(split_input)
+    if split_output and split != 'channel':
+        raise ValueError("%s: split_output=True needs split='channel' (got "
+                         "split=%r): only partial sums over input channel "
+                         "blocks can be reduce-scattered." % (layer, split))
+    if split_input and split != 'filter':
+        raise ValueError("%s: split_input=True needs split='filter' (got "
+                         "split=%r): a 'channel' layer takes split input "
+                         "channels already." % (layer, split))
+    return split_output, split_input
+
+
+def _param_signature(split, W, b, totals):
+    """What of W and b must agree across processes: ``(wsig, bsig)``."""
+    if split == 'spatial':
+        return _shape_of(W), _shape_of(b)
+    if split == 'filter':
+        # The blocks differ between channel coordinates; the totals (from a
+        # link) or the shapes they share are what must agree.
+        return (totals, _shape_of(W)[1:]), b is None
+    return (totals, _shape_of(W)[:1] + _shape_of(W)[2:]), _shape_of(b)
+
+
+def _conv_window(grid, layer, W, stride, pad, dilate, groups, split):
+    """Checks W's rank and the window arguments; returns ``(ksize, stride,
+    pad, dilate)`` as tuples of the grid's dimensionality."""
+    ndim = grid.ndim
+    if W.ndim != 2 + ndim:
+        raise ValueError('%s: W must have shape (C_out, C_in/groups, %d '
+                         'kernel sizes) for grid %r, got %r'
+                         % (layer, ndim, grid.shape, W.shape))
+    ksize = tuple(W.shape[2:])
+    stride = _ntuple(stride, ndim, 'stride', layer, 1)
+    pad = _ntuple(pad, ndim, 'pad', layer, 0)
+    dilate = _ntuple(dilate, ndim, 'dilate', layer, 1)
+    if not isinstance(groups, (int, numpy.integer)) or groups < 1:
+        raise ValueError('%s: groups must be a positive int, got %r'
+                         % (layer, groups))
+    if split != 'spatial' and groups != 1:
+        raise ValueError(
+            "%s: split=%r needs groups=1 (got %d): channel blocks would "
+            "have to align with the groups. Use split='spatial' for grouped "
+            "convolutions." % (layer, split, groups))
+    return ksize, stride, pad, dilate
+
+
+def _check_conv_channels(grid, layer, split, x, W, c_in, c_out, groups):
     if x.shape[1] != c_in or c_out % groups:
         raise ValueError(
             '%s: input has %d channels%s but W %r with groups=%d expects %d '
@@ -355,31 +257,39 @@ def convolution_nd(grid: SpatialGrid, x: Input, W: Input,
             'the input block: W %r, input with %d channels on channel '
             'coordinate %d. Hold W[:, grid.channel_range(C_in)].'
             % (layer, W.shape, x.shape[1], grid.channel_rank))
+
+
+def _chainer_convolution(x: Input, W: Input, b: Optional[Input],
+                        stride: Sequence[int], pad: Sequence[int],
+                        cover_all: bool, dilate: Sequence[int],
+                        groups: int) -> chainer.Variable:
+    """Chainer's 2-D or N-D convolution, by the rank of ``W``."""
+    if W.ndim == 4:
+        return F.convolution_2d(x, W, b, stride, pad, cover_all,
+                                dilate=dilate, groups=groups)
+    return F.convolution_nd(x, W, b, stride, pad, cover_all, dilate=dilate,
+                            groups=groups)
+
+
+def _window_convolution(grid, x, W, b, layer, layout, ksize, stride, pad,
+                        dilate, cover_all, groups, split, split_output):
+    """The convolution through the halo paths of :func:`window_apply`,
+    with the partial sums of a ``'channel'`` layer reduced after it."""
     reduce_channels = split == 'channel' and grid.channels > 1
     b_in = None if reduce_channels else b
-    if fuse and split_output:
-        grid.stats['exchange_none'] += 1
-        grid.stats['channel_overlapped'] += 1
-        y = channel_conv.ScatterConvolution(
-            grid, c_out, ksize, stride, pad, dilate, cover_all).apply(
-                (x, W))[0]
-        return _add_bias_block(grid, y, b, c_out)
 
     def op(x_in, in_box):
         # in_box None: whole samples, the layer's own padding (1 process
         # per sample group); otherwise a box that already holds the padding.
         p, ca = (pad, cover_all) if in_box is None else (0, False)
-        if ndim == 2:
-            return F.convolution_2d(x_in, W, b_in, stride, p, ca,
-                                    dilate=dilate, groups=groups)
-        return F.convolution_nd(x_in, W, b_in, stride, p, ca, dilate=dilate,
-                                groups=groups)
+        return _chainer_convolution(x_in, W, b_in, stride, p, ca, dilate,
+                                   groups)
 
     params = (W,) + ((b_in,) if b_in is not None else ())
-    y = _window_apply(grid, x, layer, layout, ksize, stride, pad, dilate,
-                      cover_all, 0, op, c_out, params)
+    y = window_ops.window_apply(grid, x, layer, layout, ksize, stride, pad,
+                                dilate, cover_all, 0, op, W.shape[0], params)
     if reduce_channels:
-        y = _reduce_partial_sums(grid, y, b, c_out, split_output)
+        y = _reduce_partial_sums(grid, y, b, W.shape[0], split_output)
     return y
 
 
@@ -488,9 +398,9 @@ def _max_pooling(grid, x, ksize, stride, pad, cover_all, return_indices,
                                     cover_all=cover_all)
         return F.max_pooling_nd(x_in, ksize, stride, 0, cover_all=False)
 
-    return _window_apply(grid, x, layer, layout, ksize, stride, pad,
-                         (1,) * grid.ndim, cover_all, -numpy.inf, op,
-                         layout.channels)
+    return window_ops.window_apply(grid, x, layer, layout, ksize, stride,
+                                   pad, (1,) * grid.ndim, cover_all,
+                                   -numpy.inf, op, layout.channels)
 
 
 def average_pooling_nd(grid: SpatialGrid, x: Input, ksize: IntOrTuple,
@@ -553,9 +463,10 @@ def _average_pooling(grid, x, ksize, stride, pad, pad_value, layer):
                                              stride)
         return y
 
-    return _window_apply(grid, x, layer, layout, ksize, stride, pad,
-                         (1,) * grid.ndim, False, 0, op, layout.channels,
-                         depth=2 if pad_value is None else 1)
+    return window_ops.window_apply(grid, x, layer, layout, ksize, stride,
+                                   pad, (1,) * grid.ndim, False, 0, op,
+                                   layout.channels,
+                                   depth=2 if pad_value is None else 1)
 
 
 def _inside_fraction_inverse(x_in, in_box, layout, ksize, stride):

@@ -1,18 +1,26 @@
-"""The process grid of spatial parallelism and the block layout of tensors."""
+"""The process grid of spatial parallelism and the block layout of tensors.
+
+:class:`SpatialGrid` is the handle every distconv layer takes. It holds the
+settings of the window operations (overlap, progress pieces) and the
+counters, and composes the parts that do the work: the topology and its
+communicators (:mod:`.topology`), the layout checks (:mod:`.layout`, pure,
+and :mod:`.layout_check`, collective and cached) and the distribution
+helpers (:mod:`.distribution`).
+"""
 from __future__ import annotations
 
 import collections
-import hashlib
 from typing import TYPE_CHECKING, Any, List, Optional, Sequence, Tuple, Union
 
 import chainer
-from chainer import backend
 import numpy
 
-from chainermn_overlap import _mpi_json
-from chainermn_overlap.distconv import _comm
+from chainermn_overlap.distconv import distribution
 from chainermn_overlap.distconv import geometry
-from mpi4py import MPI
+from chainermn_overlap.distconv import layout_check
+from chainermn_overlap.distconv.layout import Layout, axis_names
+from chainermn_overlap.distconv.topology import GridCommunicators
+from chainermn_overlap.distconv.topology import GridTopology
 
 if TYPE_CHECKING:
     from chainer.types import NdArray
@@ -21,29 +29,14 @@ if TYPE_CHECKING:
 
 __all__ = ['Layout', 'SpatialGrid', 'axis_names']
 
-_AXIS_NAMES = {1: ('W',), 2: ('H', 'W'), 3: ('D', 'H', 'W')}
 
-
-def axis_names(ndim: int) -> Tuple[str, ...]:
-    """Names of the spatial axes for messages ('H', 'W', ...)."""
-    return _AXIS_NAMES.get(ndim, tuple('S%d' % i for i in range(ndim)))
-
-
-Layout = collections.namedtuple(
-    'Layout', ['spatial_shape', 'group_samples', 'channels',
-               'channel_counts'], defaults=(None,))
-Layout.__doc__ = """Global description of a spatially distributed tensor.
-
-Attributes:
-    spatial_shape (tuple of int): Global spatial extent.
-    group_samples (list of int): Number of samples held by each sample group.
-    channels (int): Number of channels (axis 1): the global count for a
-        tensor whose channels are split over the grid's channel axis, the
-        common count when they are not, and this process's count when the
-        check did not care (``channel_split=None``).
-    channel_counts (tuple of int): Channels held at each channel
-        coordinate (one entry when the grid has no channel axis).
-"""
+def _part(part, name):
+    """A read-only attribute of the grid read from one of its parts."""
+    def get(self):
+        return getattr(getattr(self, part), name)
+    get.__name__ = name
+    return property(get, doc='``%s.%s`` (see the class docstring).'
+                    % (part, name))
 
 
 class SpatialGrid(object):
@@ -60,19 +53,25 @@ class SpatialGrid(object):
     holds all of them on every channel coordinate (a replicated copy).
     Within a spatial grid, the process with spatial rank ``s`` (row-major
     over ``shape``) owns the balanced block (:func:`geometry.block_range`)
-    of every spatial dimension at its grid coordinates; sample groups split the global batch into
-    balanced ranges of samples, like data parallelism does.
+    of every spatial dimension at its grid coordinates; sample groups split
+    the global batch into balanced ranges of samples, like data parallelism
+    does.
 
     A tensor in *spatial layout* has shape ``(N_group, C, *block)`` on each
-    process. The block sizes are not stored anywhere: the first time a
-    layer sees an input geometry, the processes allgather their local
-    shapes (a few integers), derive the global extent and check that the
-    blocks match this layout, so wrong inputs raise the same
-    :class:`ValueError` on every rank instead of hanging. The result is
-    cached per local geometry; later calls only agree on a 64-bit
-    fingerprint of the cached layout with one tiny allreduce, and fall back
-    to the full check on every rank as soon as any rank misses its cache or
-    disagrees (so the guarantee holds, at a fraction of the cost).
+    process. The block sizes are not stored anywhere: layers check their
+    input's layout collectively (:meth:`check_spatial`), so wrong inputs
+    raise the same :class:`ValueError` on every rank instead of hanging;
+    with ``check='cached'`` each geometry is checked in full once and later
+    calls only agree on a fingerprint
+    (:mod:`~chainermn_overlap.distconv.layout_check`).
+
+    The grid composes three parts, each usable and tested on its own:
+    ``topology`` (:class:`~.topology.GridTopology`: ranks, coordinates and
+    blocks, pure), ``communicators`` (:class:`~.topology.GridCommunicators`:
+    the private mpi4py communicators) and ``layouts``
+    (:class:`~.layout_check.LayoutCheck`: the checks with their cache);
+    scatter and gather are :mod:`~chainermn_overlap.distconv.distribution`.
+    The attributes below read those parts.
 
     Args:
         comm: A ChainerMN communicator (or an mpi4py communicator). Its size
@@ -141,12 +140,12 @@ class SpatialGrid(object):
             process per sample group runs every one directly, counted as
             ``exchange_none``), ``channel_overlapped`` (convolutions run by
             the overlapped channel nodes), ``forward_wait_s``/
-            ``backward_wait_s`` (time blocked waiting for halo messages, i.e. communication not
-            hidden by computation), ``progress_calls``, and, for the
-            overlapped path, ``forward_halos``/``backward_halos``
-            (exchanges with messages) and ``forward_halos_ready``/
-            ``backward_halos_ready`` (those already complete when their
-            wait began, i.e. fully hidden).
+            ``backward_wait_s`` (time blocked waiting for halo messages,
+            i.e. communication not hidden by computation),
+            ``progress_calls``, and, for the overlapped path,
+            ``forward_halos``/``backward_halos`` (exchanges with messages)
+            and ``forward_halos_ready``/``backward_halos_ready`` (those
+            already complete when their wait began, i.e. fully hidden).
     """
 
     def __init__(self, comm: Any, shape: Sequence[int],
@@ -155,78 +154,51 @@ class SpatialGrid(object):
                  progress_min_cells: int = 32768,
                  channels: int = 1, channel_overlap: bool = True) -> None:
         mpi_comm = getattr(comm, 'mpi_comm', comm)
-        try:
-            shape = tuple(int(s) for s in shape)
-        except TypeError:
-            raise ValueError(
-                'distconv.SpatialGrid: shape must be a tuple of process '
-                'counts per spatial dimension such as (2, 2), got %r'
-                % (shape,))
-        if not shape or any(s < 1 for s in shape):
-            raise ValueError(
-                'distconv.SpatialGrid: shape must be a non-empty tuple of '
-                'positive process counts, got %r' % (shape,))
-        size = mpi_comm.Get_size()
-        if not isinstance(channels, (int, numpy.integer)) or channels < 1:
-            raise ValueError(
-                'distconv.SpatialGrid: channels must be a positive int (the '
-                'number of processes along the channel axis), got %r'
-                % (channels,))
-        channels = int(channels)
-        spatial = geometry.grid_size(shape)
-        if channels > 1 and size % (spatial * channels) != 0:
-            raise ValueError(
-                'distconv.SpatialGrid: grid shape %r with channels=%d needs '
-                'a multiple of %d processes (sample groups x channels x '
-                'prod(shape)), but the communicator has %d. Choose shape '
-                'and channels whose product divides %d.'
-                % (shape, channels, spatial * channels, size, size))
-        if size % spatial != 0:
-            raise ValueError(
-                'distconv.SpatialGrid: grid shape %r needs a multiple of %d '
-                'processes, but the communicator has %d. Use a grid whose '
-                'product divides %d (the quotient is the number of sample '
-                'groups), or launch a multiple of %d processes.'
-                % (shape, spatial, size, size, spatial))
-        self.comm = comm
-        self.shape = shape
-        self.ndim = len(shape)
-        self.size = size
-        self.rank = mpi_comm.Get_rank()
-        self.spatial_size = spatial
-        self.channels = channels
-        self.n_groups = size // (spatial * channels)
-        self.group = self.rank // (spatial * channels)
-        self.channel_rank = (self.rank // spatial) % channels
-        self.spatial_rank = self.rank % spatial
-        self.coords = geometry.grid_coords(shape, self.spatial_rank)
-        if check not in ('cached', 'always'):
-            raise ValueError(
-                "distconv.SpatialGrid: check must be 'cached' or 'always', "
-                'got %r' % (check,))
-        self.check = check
-        self.overlap = bool(overlap)
-        self.channel_overlap = bool(channel_overlap)
+        topology = GridTopology(shape, mpi_comm.Get_size(),
+                                mpi_comm.Get_rank(), channels)
+        layout_check.check_mode(check)
         for name, value in (('progress_pieces', progress_pieces),
                             ('progress_min_cells', progress_min_cells)):
             if not isinstance(value, (int, numpy.integer)) or value < 1:
                 raise ValueError(
                     'distconv.SpatialGrid: %s must be a positive int, got '
                     '%r' % (name, value))
+        self.comm = comm
+        self.topology = topology
+        self.overlap = bool(overlap)
+        self.channel_overlap = bool(channel_overlap)
         self.progress_pieces = int(progress_pieces)
         self.progress_min_cells = int(progress_min_cells)
         self.stats = collections.Counter()
-        self._layout_cache = {}
-        # Private communicators: distconv's point-to-point messages and
-        # reductions can never match messages of the user or of a
-        # gradient-communication thread that uses the original communicator.
-        self.mpi_world = mpi_comm.Dup()
-        self.mpi_spatial = mpi_comm.Split(
-            self.group * channels + self.channel_rank, self.spatial_rank)
-        self.mpi_channel = mpi_comm.Split(
-            self.group * spatial + self.spatial_rank, self.channel_rank)
-        self.mpi_data = mpi_comm.Split(
-            self.channel_rank, self.group * spatial + self.spatial_rank)
+        self.communicators = GridCommunicators(mpi_comm, topology)
+        self.layouts = layout_check.LayoutCheck(
+            topology, self.communicators.world, self.stats, check)
+
+    shape = _part('topology', 'shape')
+    ndim = _part('topology', 'ndim')
+    size = _part('topology', 'size')
+    rank = _part('topology', 'rank')
+    spatial_size = _part('topology', 'spatial_size')
+    channels = _part('topology', 'channels')
+    n_groups = _part('topology', 'n_groups')
+    group = _part('topology', 'group')
+    channel_rank = _part('topology', 'channel_rank')
+    spatial_rank = _part('topology', 'spatial_rank')
+    coords = _part('topology', 'coords')
+    mpi_world = _part('communicators', 'world')
+    mpi_spatial = _part('communicators', 'spatial')
+    mpi_channel = _part('communicators', 'channel')
+    mpi_data = _part('communicators', 'data')
+
+    @property
+    def check(self) -> str:
+        """``'cached'`` or ``'always'`` (see the argument); can be changed
+        between iterations (the same on every process)."""
+        return self.layouts.mode
+
+    @check.setter
+    def check(self, value: str) -> None:
+        self.layouts.mode = layout_check.check_mode(value)
 
     def __repr__(self):
         if self.channels > 1:
@@ -234,23 +206,6 @@ class SpatialGrid(object):
                 % (self.shape, self.channels, self.n_groups, self.rank)
         return 'SpatialGrid(shape=%r, groups=%d, rank=%d)' % (
             self.shape, self.n_groups, self.rank)
-
-    def world_rank(self, group: int, channel_rank: int,
-                   spatial_rank: int) -> int:
-        """Rank in the communicator of grid position (group, c, s)."""
-        return ((group * self.channels + channel_rank) * self.spatial_size
-                + spatial_rank)
-
-    def channel_range(self, n: int, channel_rank: int = None
-                      ) -> geometry.Interval:
-        """Channels ``[lo, hi)`` of ``n`` held at a channel coordinate.
-
-        Args:
-            n (int): Global number of channels.
-            channel_rank (int): The coordinate (default: this process's).
-        """
-        c = self.channel_rank if channel_rank is None else channel_rank
-        return geometry.block_range(n, self.channels, c)
 
     # Links holding a grid get copied (Link.copy, deepcopy in evaluators);
     # the grid is a shared handle to communicators and must not be cloned.
@@ -265,98 +220,34 @@ class SpatialGrid(object):
                         'cannot be pickled; rebuild it on each process.')
 
     # ------------------------------------------------------------------
-    # Layouts
+    # Topology
     # ------------------------------------------------------------------
+    def world_rank(self, group: int, channel_rank: int,
+                   spatial_rank: int) -> int:
+        """Rank in the communicator of grid position (group, c, s)."""
+        return self.topology.world_rank(group, channel_rank, spatial_rank)
+
+    def channel_range(self, n: int, channel_rank: int = None
+                      ) -> geometry.Interval:
+        """Channels ``[lo, hi)`` of ``n`` held at a channel coordinate.
+
+        Args:
+            n (int): Global number of channels.
+            channel_rank (int): The coordinate (default: this process's).
+        """
+        return self.topology.channel_range(n, channel_rank)
+
     def sample_range(self, n: int) -> geometry.Interval:
         """Samples ``[lo, hi)`` of a global batch of ``n`` in this group."""
-        return geometry.block_range(n, self.n_groups, self.group)
+        return self.topology.sample_range(n)
 
     def block(self, spatial_shape: Sequence[int]) -> geometry.Box:
         """This process's box of a tensor with global ``spatial_shape``."""
-        return geometry.block_box(spatial_shape, self.shape, self.coords)
+        return self.topology.block(spatial_shape)
 
-    def _gather_info(self, x, layer, signature):
-        arr = x.array if isinstance(x, chainer.Variable) else x
-        info = (tuple(int(s) for s in arr.shape), str(arr.dtype), signature)
-        return _mpi_json.allgather_json(self.mpi_world, info, tuples=True)
-
-    def _coord_of(self, world_rank):
-        """(group, channel_rank, spatial_rank) of a communicator rank."""
-        P, C = self.spatial_size, self.channels
-        return world_rank // (P * C), (world_rank // P) % C, world_rank % P
-
-    def _check_common(self, infos, layer, channel_split=False):
-        """Checks what every layout shares; returns the channel counts.
-
-        Args:
-            channel_split: True if the channels are split over the channel
-                axis (coordinate ``c`` holds block ``c``), False if every
-                process holds the same channels, None if only processes of
-                the same channel coordinate must agree (element-wise and
-                window operations, which treat channels independently).
-
-        Returns:
-            tuple of int: Channels held at each channel coordinate.
-        """
-        names = axis_names(self.ndim)
-        for r, (shape, _, _) in enumerate(infos):
-            if len(shape) != 2 + self.ndim:
-                raise ValueError(
-                    '%s: input must have shape (N, C, %s) to match the %d-D '
-                    'grid %r, but rank %d passed shape %r. Use a grid with '
-                    'one entry per spatial dimension (e.g. (2, 1, 1) for 3-D '
-                    'data).' % (layer, ', '.join(names), self.ndim,
-                                self.shape, r, shape))
-        sig0 = infos[0][2]
-        for r, (_, _, sig) in enumerate(infos):
-            if sig != sig0:
-                raise ValueError(
-                    '%s: arguments differ between processes (rank 0: %r, '
-                    'rank %d: %r). Every process must call the layer with '
-                    'the same arguments and parameter shapes.'
-                    % (layer, sig0, r, sig))
-        dtype0 = infos[0][1]
-        ch0 = infos[0][0][1]
-        C = self.channels
-        counts = tuple(infos[self.world_rank(0, c, 0)][0][1]
-                       for c in range(C))
-        for r, (shape, dtype, _) in enumerate(infos):
-            c = self._coord_of(r)[1]
-            want = ch0 if channel_split is False else counts[c]
-            if dtype != dtype0 or shape[1] != want:
-                if C == 1:
-                    raise ValueError(
-                        '%s: rank 0 passed %d channels of %s but rank %d '
-                        'passed %d channels of %s. All processes must hold '
-                        'the same channels and dtype.'
-                        % (layer, ch0, dtype0, r, shape[1], dtype))
-                raise ValueError(
-                    '%s: rank %d (channel coordinate %d) passed %d channels '
-                    'of %s, but %s holds %d channels of %s. %s'
-                    % (layer, r, c, shape[1], dtype,
-                       'rank 0' if channel_split is False
-                       else 'channel coordinate %d of group 0' % c,
-                       want, dtype0,
-                       'This layer takes channels that are not split: every '
-                       'process must hold all of them (use a layer with '
-                       "split='filter' before a split='channel' one, or "
-                       'grid.scatter(x, channel_split=False)).'
-                       if channel_split is False else
-                       'Processes of one channel coordinate must hold the '
-                       'same channels and dtype.'))
-        if channel_split:
-            total = sum(counts)
-            expect = tuple(geometry.block_sizes(total, C))
-            if counts != expect:
-                raise ValueError(
-                    '%s: expects channels split over the %d channel '
-                    'coordinates, but they hold %r channels, not the '
-                    'balanced split %r of %d. Feed it the output of a '
-                    "split='filter' layer or grid.scatter(x, "
-                    'channel_split=True).' % (layer, C, list(counts),
-                                              list(expect), total))
-        return counts
-
+    # ------------------------------------------------------------------
+    # Layouts
+    # ------------------------------------------------------------------
     def check_spatial(self, x: Input, layer: str,
                       signature: tuple = (),
                       channel_split: Optional[bool] = None) -> Layout:
@@ -382,124 +273,7 @@ class SpatialGrid(object):
         Raises:
             ValueError: If the blocks do not form the grid's layout.
         """
-        return self._cached_check(
-            ('spatial', channel_split), x, layer, signature,
-            lambda x, layer, sig: self._check_spatial_full(
-                x, layer, sig, channel_split))
-
-    def _cached_check(self, kind, x, layer, signature, full):
-        """Runs ``full`` unless every rank has this geometry validated.
-
-        The decision is collective: one allreduce (MAX) of ``[miss,
-        fingerprint, -fingerprint]`` tells every rank whether all ranks hit
-        their cache with the same fingerprint; otherwise all of them run the
-        full check (which raises the same error everywhere on bad input).
-        ``full`` returns ``(result, summary)``, where ``summary`` describes
-        the global layout identically on every rank (it is fingerprinted).
-        A local cache hit alone is not enough: the same local block can
-        belong to different global layouts, and a rank that skipped the
-        check while another ran it would hang in the allgather.
-        """
-        arr = x.array if isinstance(x, chainer.Variable) else x
-        key = (kind, tuple(arr.shape), arr.dtype.str, signature)
-        if self.check == 'cached':
-            try:
-                hit = self._layout_cache.get(key)
-            except TypeError:  # an unhashable signature: never cached
-                hit, key = None, None
-            vote = numpy.array([0, 0, 0], dtype=numpy.int64)
-            if hit is None:
-                vote[0] = 1
-            else:
-                vote[1], vote[2] = hit[1], -hit[1]
-            agreed = numpy.empty_like(vote)
-            self.mpi_world.Allreduce([vote, MPI.INT64_T],
-                                     [agreed, MPI.INT64_T], op=MPI.MAX)
-            if agreed[0] == 0 and agreed[1] == -agreed[2]:
-                self.stats['validate_cached'] += 1
-                return hit[0]
-        self.stats['validate_full'] += 1
-        result, summary = full(x, layer, signature)
-        if self.check == 'cached' and key is not None:
-            if len(self._layout_cache) >= 4096:
-                self._layout_cache.clear()  # bound memory for odd workloads
-            digest = hashlib.blake2b(
-                repr((kind, summary, arr.dtype.str, signature)).encode(),
-                digest_size=8).digest()
-            # 62 bits: the negated value fits in int64.
-            fp = int.from_bytes(digest, 'little') >> 2
-            self._layout_cache[key] = (result, fp)
-        return result
-
-    def _check_spatial_full(self, x, layer, signature, channel_split=None):
-        infos = self._gather_info(x, layer, signature)
-        counts = self._check_common(infos, layer, channel_split)
-        names = axis_names(self.ndim)
-        P = self.spatial_size
-        group_samples = []
-        spatial_shape = None
-        for g in range(self.n_groups):
-            n0 = infos[self.world_rank(g, 0, 0)][0][0]
-            for c in range(self.channels):
-                ranks = [self.world_rank(g, c, s) for s in range(P)]
-                shapes = [infos[r][0] for r in ranks]
-                for r, shp in zip(ranks, shapes):
-                    if shp[0] != n0:
-                        raise ValueError(
-                            '%s: ranks %d and %d of sample group %d hold %d '
-                            'and %d samples. The processes of a sample group '
-                            'must hold the same samples; split a global '
-                            'batch with grid.scatter or grid.sample_range.'
-                            % (layer, self.world_rank(g, 0, 0), r, g, n0,
-                               shp[0]))
-                gshape = []
-                for d in range(self.ndim):
-                    by_coord = {}
-                    for s, shp in enumerate(shapes):
-                        k = geometry.grid_coords(self.shape, s)[d]
-                        size = shp[2 + d]
-                        if by_coord.setdefault(k, size) != size:
-                            raise ValueError(
-                                '%s: processes in the same grid slice along '
-                                '%s hold blocks of different size (%d and '
-                                '%d, rank %d of group %d). The input is not '
-                                'in the block layout of grid %r; create it '
-                                'with grid.scatter or distconv layers.' % (
-                                    layer, names[d], by_coord[k], size,
-                                    ranks[s], g, self.shape))
-                    sizes = [by_coord[k] for k in range(self.shape[d])]
-                    n = sum(sizes)
-                    expect = geometry.block_sizes(n, self.shape[d])
-                    if sizes != expect:
-                        raise ValueError(
-                            '%s: along %s the blocks of group %d have sizes '
-                            '%r, but the balanced split of %d over %d '
-                            'processes is %r (input spatial sizes disagree '
-                            'with the grid layout). Create inputs with '
-                            'grid.scatter or distconv layers.'
-                            % (layer, names[d], g, sizes, n, self.shape[d],
-                               expect))
-                    gshape.append(n)
-                gshape = tuple(gshape)
-                if spatial_shape is None:
-                    spatial_shape = gshape
-                elif gshape != spatial_shape:
-                    raise ValueError(
-                        '%s: the global spatial size differs between sample '
-                        'groups or channel coordinates (%r in group 0, %r in '
-                        'group %d, channel coordinate %d). All samples of a '
-                        'batch must have the same spatial size.'
-                        % (layer, spatial_shape, gshape, g, c))
-            group_samples.append(n0)
-        if channel_split:
-            channels = sum(counts)
-        elif channel_split is False:
-            channels = counts[0]
-        else:
-            channels = counts[self.channel_rank]
-        summary = (spatial_shape, group_samples, counts, channel_split)
-        layout = Layout(spatial_shape, group_samples, channels, counts)
-        return layout, summary
+        return self.layouts.spatial(x, layer, signature, channel_split)
 
     def check_samples(self, x: Input, layer: str, signature: tuple = ()
                       ) -> Tuple[Tuple[int, ...], List[int]]:
@@ -509,24 +283,7 @@ class SpatialGrid(object):
             tuple: ``(spatial_shape, counts)`` where ``counts[s]`` is the
             number of samples of spatial rank ``s`` in this group.
         """
-        return self._cached_check('samples', x, layer, signature,
-                                  self._check_samples_full)
-
-    def _check_samples_full(self, x, layer, signature):
-        infos = self._gather_info(x, layer, signature)
-        self._check_common(infos, layer, None)
-        shape0 = infos[0][0][2:]
-        for r, (shape, _, _) in enumerate(infos):
-            if shape[2:] != shape0:
-                raise ValueError(
-                    '%s: whole samples must have the same spatial size on '
-                    'every process, but rank 0 has %r and rank %d has %r.'
-                    % (layer, shape0, r, shape[2:]))
-        P = self.spatial_size
-        counts = [infos[self.world_rank(self.group, self.channel_rank, s)
-                        ][0][0] for s in range(P)]
-        every = tuple(info[0][0] for info in infos)
-        return (shape0, counts), (shape0, every)
+        return self.layouts.samples(x, layer, signature)
 
     # ------------------------------------------------------------------
     # User-facing distribution helpers (not for the training path)
@@ -545,25 +302,11 @@ class SpatialGrid(object):
             A C-contiguous array ``(N_group, C or C_block, *block)`` of this
             process's samples, channels and spatial block.
         """
-        arr = x.array if isinstance(x, chainer.Variable) else x
-        if arr.ndim != 2 + self.ndim:
-            raise ValueError(
-                'distconv.SpatialGrid.scatter: expected (N, C, %s) for grid '
-                '%r, got shape %r.' % (', '.join(axis_names(self.ndim)),
-                                       self.shape, arr.shape))
-        lo, hi = self.sample_range(arr.shape[0])
-        box = self.block(arr.shape[2:])
-        ch = slice(*self.channel_range(arr.shape[1])) if channel_split \
-            else slice(None)
-        sl = (slice(lo, hi), ch) + tuple(slice(a, b) for a, b in box)
-        xp = backend.get_array_module(arr)
-        return xp.ascontiguousarray(arr[sl])
+        return distribution.scatter(self.topology, x, channel_split)
 
     def scatter_samples(self, t: Input) -> NdArray:
         """Returns this group's samples of a per-sample array (e.g. labels)."""
-        arr = t.array if isinstance(t, chainer.Variable) else t
-        lo, hi = self.sample_range(arr.shape[0])
-        return arr[lo:hi]
+        return distribution.scatter_samples(self.topology, t)
 
     def gather(self, y: Input, channel_split: bool = False,
                reduce_copies: bool = False) -> NdArray:
@@ -585,37 +328,10 @@ class SpatialGrid(object):
         Returns:
             The global array ``(N, C, *spatial)`` on ``y``'s device.
         """
-        arr = y.array if isinstance(y, chainer.Variable) else y
-        layout = self.check_spatial(arr, 'distconv.SpatialGrid.gather',
+        layout = self.check_spatial(y, 'distconv.SpatialGrid.gather',
                                     channel_split=bool(channel_split))
-        parts = _mpi_json.allgather_arrays(self.mpi_world, _comm.to_host(arr))
-        P = self.spatial_size
-        n_total = sum(layout.group_samples)
-        out = numpy.zeros((n_total, layout.channels) + layout.spatial_shape,
-                          dtype=parts[0].dtype)
-        offset = 0
-        for g in range(self.n_groups):
-            n = layout.group_samples[g]
-            for c in range(self.channels):
-                if channel_split:
-                    ch = slice(*self.channel_range(layout.channels, c))
-                elif c and not reduce_copies:
-                    continue
-                else:
-                    ch = slice(None)
-                for s in range(P):
-                    box = geometry.block_box(
-                        layout.spatial_shape, self.shape,
-                        geometry.grid_coords(self.shape, s))
-                    sl = (slice(offset, offset + n), ch) + tuple(
-                        slice(a, b) for a, b in box)
-                    part = parts[self.world_rank(g, c, s)]
-                    if reduce_copies and not channel_split:
-                        out[sl] += part
-                    else:
-                        out[sl] = part
-            offset += n
-        return _comm.like(out, arr)
+        return distribution.gather(self.topology, self.mpi_world, y, layout,
+                                   channel_split, reduce_copies)
 
     def loss_scale(self, n_local: int) -> float:
         """Factor turning a sum of per-sample losses into the rank's loss.
@@ -642,9 +358,4 @@ class SpatialGrid(object):
         Returns:
             float: ``comm.size / sum over processes of n_local``.
         """
-        total = int(_comm.allreduce_sum(
-            self.mpi_world, numpy.array([n_local], dtype=numpy.int64))[0])
-        if total == 0:
-            raise ValueError('distconv.SpatialGrid.loss_scale: the global '
-                             'batch is empty on every process.')
-        return float(self.size) / total
+        return distribution.loss_scale(self.mpi_world, self.size, n_local)

@@ -89,6 +89,15 @@ def _split_conv_params(link, split, in_channels, out_channels):
     params_mod.mark_split_params(link, grid)
 
 
+def _attach(link, grid, split, in_channels, out_channels, split_output,
+            split_input):
+    """Gives a freshly built Chainer convolution link its grid and split."""
+    link.grid = grid
+    link.split_output = bool(split_output)
+    link.split_input = bool(split_input)
+    _split_conv_params(link, split, in_channels, out_channels)
+
+
 def _conv_blocks(link):
     if link.split == 'spatial':
         return {}
@@ -152,10 +161,8 @@ class Convolution2D(L.Convolution2D):
         super(Convolution2D, self).__init__(
             in_channels, out_channels, ksize, stride, pad, nobias, initialW,
             initial_bias, dilate=dilate, groups=groups)
-        self.grid = grid
-        self.split_output = bool(split_output)
-        self.split_input = bool(split_input)
-        _split_conv_params(self, split, in_channels, out_channels)
+        _attach(self, grid, split, in_channels, out_channels, split_output,
+                split_input)
 
     def forward(self, x: Input) -> chainer.Variable:
         if self.W.array is None:
@@ -219,10 +226,8 @@ class ConvolutionND(L.ConvolutionND):
         super(ConvolutionND, self).__init__(
             ndim, in_channels, out_channels, ksize, stride, pad, nobias,
             initialW, initial_bias, cover_all, dilate, groups)
-        self.grid = grid
-        self.split_output = bool(split_output)
-        self.split_input = bool(split_input)
-        _split_conv_params(self, split, in_channels, out_channels)
+        _attach(self, grid, split, in_channels, out_channels, split_output,
+                split_input)
 
     def forward(self, x: Input) -> chainer.Variable:
         if self.W.array is None:

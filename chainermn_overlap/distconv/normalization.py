@@ -1,4 +1,11 @@
-"""Batch normalisation with statistics over the whole distributed batch."""
+"""Batch normalisation with statistics over the whole distributed batch.
+
+:class:`DistributedBatchNormalization` normalises blocks of the spatial
+(or sample) layout; :class:`TiledBatchNormalization` a box computed by a
+tiled stack, with statistics from its owned cells only. Both reduce the
+same three per-channel sums over ``grid.mpi_data`` and derive the
+statistics and running averages in one place (:class:`_GlobalStatistics`).
+"""
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Optional, Union
@@ -16,7 +23,8 @@ if TYPE_CHECKING:
 
     Input = Union[chainer.Variable, NdArray]
 
-__all__ = ['DistributedBatchNormalization', 'batch_normalization']
+__all__ = ['DistributedBatchNormalization', 'TiledBatchNormalization',
+           'batch_normalization']
 
 # Values per chunk of the blocked passes on the CPU: a chunk of the input,
 # of the output gradient and one temporary fit in a core's L2 cache, so the
@@ -51,7 +59,49 @@ def _flat(a):
     return a.reshape(a.shape[:2] + (int(numpy.prod(a.shape[2:])),))
 
 
-class DistributedBatchNormalization(function_node.FunctionNode):
+class _GlobalStatistics(function_node.FunctionNode):
+    """Statistics over the global batch from allreduced per-channel sums.
+
+    Args:
+        grid (SpatialGrid): The grid (reductions over ``grid.mpi_data``).
+        eps (float): Added to the variance.
+        count (int): Number of values per channel in the global batch.
+        running_mean, running_var: Arrays updated in place (or None).
+        decay (float): Decay of the running statistics.
+    """
+
+    def __init__(self, grid: SpatialGrid, eps: float, count: int,
+                 running_mean: Optional[NdArray] = None,
+                 running_var: Optional[NdArray] = None,
+                 decay: float = 0.9) -> None:
+        self.grid = grid
+        self.eps = eps
+        self.count = count
+        self.running_mean = running_mean
+        self.running_var = running_var
+        self.decay = decay
+
+    def _statistics(self, xp, tot, c, interm):
+        """``(mean, var, inv_std)`` in ``interm`` from the allreduced
+        float64 ``[sum, M2, sum^2 / n]`` of ``c`` channels; updates the
+        running statistics."""
+        m = self.count
+        mean64 = tot[:c] / m
+        var64 = xp.maximum(tot[c:2 * c] + (tot[2 * c:] - tot[:c] * mean64),
+                           0) / m
+        mean = mean64.astype(interm)
+        var = var64.astype(interm)
+        inv_std = 1 / xp.sqrt(var + self.eps, dtype=interm)
+        if self.running_mean is not None:
+            adjust = m / max(m - 1., 1.)  # unbiased, as Chainer
+            self.running_mean *= self.decay
+            self.running_mean += (1 - self.decay) * mean
+            self.running_var *= self.decay
+            self.running_var += (1 - self.decay) * adjust * var
+        return mean, var, inv_std
+
+
+class DistributedBatchNormalization(_GlobalStatistics):
     """Batch normalisation over all samples and spatial cells of all ranks.
 
     The statistics are those Chainer computes on one process for the global
@@ -83,23 +133,11 @@ class DistributedBatchNormalization(function_node.FunctionNode):
         decay (float): Decay of the running statistics.
     """
 
-    def __init__(self, grid: SpatialGrid, eps: float, count: int,
-                 running_mean: Optional[NdArray] = None,
-                 running_var: Optional[NdArray] = None,
-                 decay: float = 0.9) -> None:
-        self.grid = grid
-        self.eps = eps
-        self.count = count
-        self.running_mean = running_mean
-        self.running_var = running_var
-        self.decay = decay
-
     def forward(self, inputs):
         self.retain_inputs((0, 1))
         x, gamma, beta = inputs
         xp = backend.get_array_module(x)
         interm = numpy.promote_types(x.dtype, gamma.dtype)
-        m = self.count
         c = x.shape[1]
         x3 = _flat(x)
         n_local = x3.shape[0] * x3.shape[2]
@@ -134,12 +172,7 @@ class DistributedBatchNormalization(function_node.FunctionNode):
         shift = s * s / n_local if n_local else xp.zeros_like(s)
         tot = _comm.allreduce_sum(self.grid.mpi_data,
                                   xp.concatenate([s, q, shift]))
-        mean64 = tot[:c] / m
-        var64 = xp.maximum(tot[c:2 * c] + (tot[2 * c:] - tot[:c] * mean64),
-                           0) / m
-        mean = mean64.astype(interm)
-        var = var64.astype(interm)
-        inv_std = 1 / xp.sqrt(var + self.eps, dtype=interm)
+        mean, var, inv_std = self._statistics(xp, tot, c, interm)
         scale = gamma.astype(interm, copy=False) * inv_std
         beta_i = beta.astype(interm, copy=False)
         # y = (x - mean) * scale + beta, chunk by chunk in place.
@@ -151,12 +184,6 @@ class DistributedBatchNormalization(function_node.FunctionNode):
             yc += beta_i[None, cs, None]
         y = y3.reshape(x.shape).astype(x.dtype, copy=False)
         self._mean, self._inv_std = mean, inv_std
-        if self.running_mean is not None:
-            adjust = m / max(m - 1., 1.)  # unbiased, as Chainer
-            self.running_mean *= self.decay
-            self.running_mean += (1 - self.decay) * mean
-            self.running_var *= self.decay
-            self.running_var += (1 - self.decay) * adjust * var
         return y,
 
     def backward(self, indexes, grad_outputs):
@@ -224,6 +251,85 @@ class DistributedBatchNormalization(function_node.FunctionNode):
         return (chainer.Variable(gx.astype(x.dtype, copy=False)),
                 chainer.Variable(ggamma.astype(gamma.dtype, copy=False)),
                 chainer.Variable(gbeta.astype(gamma.dtype, copy=False)))
+
+
+class TiledBatchNormalization(_GlobalStatistics):
+    """Batch normalisation of a computed box, statistics from owned cells.
+
+    Forward: per channel, the mean and variance over the owned cells of
+    every process (reduced over ``grid.mpi_data``); every cell of the box
+    (owned or computed redundantly) is normalised with them, and the
+    running statistics are updated as Chainer does. Backward is the exact
+    adjoint: the direct term for every cell, and the statistics' term,
+    whose sums run over every computed cell of every process, for the
+    owned cells only.
+
+    Args:
+        grid (SpatialGrid): The grid.
+        owned (tuple): Selection of the owned cells in the box.
+        count (int): Owned values per channel over all processes.
+        eps, running_mean, running_var, decay: As in Chainer.
+    """
+
+    def __init__(self, grid, owned, count, eps, running_mean=None,
+                 running_var=None, decay=0.9):
+        super(TiledBatchNormalization, self).__init__(
+            grid, eps, count, running_mean, running_var, decay)
+        self.owned = owned
+
+    def forward(self, inputs):
+        self.retain_inputs((0, 1))
+        x, gamma, beta = inputs
+        xp = backend.get_array_module(x)
+        c = x.shape[1]
+        xo = x[self.owned]
+        axes = (0,) + tuple(range(2, x.ndim))
+        n_local = int(numpy.prod([xo.shape[a] for a in axes]))
+        xo64 = xo.astype(numpy.float64)
+        s = xo64.sum(axis=axes)
+        local_mean = s / max(n_local, 1)
+        shape = (1, c) + (1,) * (x.ndim - 2)
+        q = ((xo64 - local_mean.reshape(shape)) ** 2).sum(axis=axes)
+        shift = s * s / n_local if n_local else xp.zeros_like(s)
+        tot = _comm.allreduce_sum(self.grid.mpi_data,
+                                  xp.concatenate([s, q, shift]))
+        interm = numpy.promote_types(x.dtype, gamma.dtype)
+        mean, _, inv_std = self._statistics(xp, tot, c, interm)
+        self._mean, self._inv_std = mean, inv_std
+        xhat = (x - mean.reshape(shape)) * inv_std.reshape(shape)
+        y = xhat * gamma.reshape(shape) + beta.reshape(shape)
+        return y.astype(x.dtype, copy=False),
+
+    def backward(self, indexes, grad_outputs):
+        if chainer.config.enable_backprop:
+            raise NotImplementedError(
+                'distconv.Tiled: batch normalisation does not support '
+                'double backpropagation.')
+        x, gamma = self.get_retained_inputs()
+        x, gamma = x.array, gamma.array
+        xp = backend.get_array_module(x)
+        gy = grad_outputs[0]
+        gy = xp.zeros_like(x) if gy is None else gy.array
+        c = x.shape[1]
+        shape = (1, c) + (1,) * (x.ndim - 2)
+        axes = (0,) + tuple(range(2, x.ndim))
+        mean = self._mean.reshape(shape)
+        inv_std = self._inv_std.reshape(shape)
+        xhat = (x - mean) * inv_std
+        gbeta = gy.astype(numpy.float64).sum(axis=axes)
+        ggamma = (gy * xhat).astype(numpy.float64).sum(axis=axes)
+        tot = _comm.allreduce_sum(self.grid.mpi_data,
+                                  xp.concatenate([gbeta, ggamma]))
+        m = self.count
+        coef = (gamma * self._inv_std).reshape(shape)
+        a = (tot[c:] / m).astype(xhat.dtype).reshape(shape)
+        b = (tot[:c] / m).astype(xhat.dtype).reshape(shape)
+        gx = coef * gy
+        corr = coef * (xhat[self.owned] * a + b)
+        gx[self.owned] -= corr
+        return (chainer.Variable(gx.astype(x.dtype, copy=False)),
+                chainer.Variable(ggamma.astype(gamma.dtype)),
+                chainer.Variable(gbeta.astype(gamma.dtype)))
 
 
 def batch_normalization(grid: SpatialGrid, x: Input, gamma: Input,

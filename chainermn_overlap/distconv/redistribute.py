@@ -33,6 +33,7 @@ from mpi4py import MPI
 
 from chainermn_overlap import _mpi_json
 from chainermn_overlap.distconv import _comm
+from chainermn_overlap.distconv import _pack
 from chainermn_overlap.distconv import geometry
 
 if TYPE_CHECKING:
@@ -133,13 +134,14 @@ class LayoutShuffle(function_node.FunctionNode):
         # messages travel while the later ones are packed.
         pending = _comm.post_exchange(
             self.grid.mpi_spatial,
-            ((peer, xp.ascontiguousarray(x[sel])) for peer, sel in sends),
-            recvs, x)
+            ((peer, _pack.message(xp, x, _pack.region_of(sel, x.shape)))
+             for peer, sel in sends), recvs, x)
         # The local piece is copied while the remote ones are in flight.
         out[dst] = x[src]
         # Each piece is unpacked as soon as it has arrived.
         for i, buf in pending.arrivals():
-            out[place[i]] = buf
+            _pack.unpack(xp, buf, out, [_pack.region_of(place[i],
+                                                        out.shape)])
         return out,
 
     def backward(self, indexes, grad_outputs):
@@ -192,6 +194,14 @@ def sample_share(grid: SpatialGrid, n_group: int) -> geometry.Interval:
     return geometry.block_range(n_group, grid.spatial_size, grid.spatial_rank)
 
 
+def _box_region(grid, whole, s):
+    """The region of spatial rank ``s``'s block in a whole-sample array."""
+    box = geometry.block_box(whole.shape[2:], grid.shape,
+                             geometry.grid_coords(grid.shape, s))
+    return _pack.region_of((Ellipsis,) + tuple(slice(a, b) for a, b in box),
+                           whole.shape)
+
+
 class ReplicateSamples(function_node.FunctionNode):
     """Spatial layout -> the group's whole samples on each of its processes.
 
@@ -219,10 +229,7 @@ class ReplicateSamples(function_node.FunctionNode):
                                            _comm.to_host(x))
         out = numpy.empty(x.shape[:2] + self.spatial_shape, dtype=x.dtype)
         for s, part in enumerate(parts):
-            box = geometry.block_box(self.spatial_shape, self.grid.shape,
-                                     geometry.grid_coords(self.grid.shape,
-                                                          s))
-            out[(Ellipsis,) + tuple(slice(a, b) for a, b in box)] = part
+            _pack.unpack(numpy, part, out, [_box_region(self.grid, out, s)])
         self._meta = (out.shape, out.dtype, backend.get_array_module(x))
         return _comm.like(out, x),
 
@@ -248,13 +255,11 @@ class BlockOfSummedCopies(function_node.FunctionNode):
 
     def forward(self, inputs):
         g, = inputs
-        xp = backend.get_array_module(g)
         host = _comm.to_host(g)
         summed = numpy.empty_like(host)
         self.grid.mpi_spatial.Allreduce(host, summed, op=MPI.SUM)
-        box = self.grid.block(self.spatial_shape)
-        sel = (Ellipsis,) + tuple(slice(a, b) for a, b in box)
-        return _comm.like(xp.ascontiguousarray(summed[sel]), g),
+        region = _box_region(self.grid, summed, self.grid.spatial_rank)
+        return _comm.like(_pack.message(numpy, summed, region), g),
 
     def backward(self, indexes, grad_outputs):
         return ReplicateSamples(self.grid, self.spatial_shape).apply(

@@ -76,17 +76,26 @@ class GradTap(function_node.FunctionNode):
             returns the accumulated gradient.
         iteration: the sink's iteration when the tap was made.
         param (chainer.Parameter): the tapped parameter.
+        value: what the tap outputs instead of the parameter's array (its
+            whole value, when the array is a placeholder of a sharded
+            parameter); None: a view of the array.
     """
 
     def __init__(self, sink: GradientSink, param: chainer.Parameter,
-                 iteration: Any = None) -> None:
+                 iteration: Any = None, value: Any = None) -> None:
         self.sink = sink
         self.param = param
         self.iteration = iteration
+        # The parameter's whole value when its array is not (sharded
+        # parameters); None: the array itself.
+        self.value = value
 
     def forward(self, inputs):
         # A view, not the array itself: consumers must not see the raw
         # parameter array, which is how uses outside a link are detected.
+        if self.value is not None:
+            value, self.value = self.value, None
+            return value.view(),
         return inputs[0].view(),
 
     def backward_accumulate(self, target_input_indexes, grad_outputs,
@@ -180,7 +189,19 @@ class ParamUseHook(function_hook.FunctionHook):
                 if info is not None:
                     sink.on_raw_use(info)
 
+    def backward_postprocess(self, function, in_data, out_grad):
+        for sink in self.sinks:
+            whole = getattr(sink, 'shard_params', None)
+            if whole is not None:
+                whole.after_backward(function)
+
     def backward_preprocess(self, function, in_data, out_grad):
+        for sink in self.sinks:
+            # Whole parameters for a backward that retained them, where
+            # they are sharded.
+            whole = getattr(sink, 'shard_params', None)
+            if whole is not None:
+                whole.before_backward(function)
         # A backward reads the parameters its forward retained.  If one has
         # an update pending (a second optimizer's loss back-propagating
         # through a network already updated, as in GAN training), the

@@ -69,7 +69,7 @@ class LayoutManager(object):
     """
 
     def __init__(self, mpi_comm, bucket_size, allreduce_grad_dtype, wait,
-                 allow_groups=True):
+                 allow_groups=True, shard_unit=None):
         self.mpi_comm = mpi_comm
         self.rank = mpi_comm.rank
         self.size = mpi_comm.size
@@ -81,6 +81,9 @@ class LayoutManager(object):
         self.loaded = False
         self.control = None
         self.allow_groups = allow_groups
+        # 'element' or 'parameter' when sharded: rank 0's plan then also
+        # says which piece of each bucket each rank owns (sharding.layout).
+        self.shard_unit = shard_unit
         # (name, param, group) of the parameters reduced within a group
         # (``param.reduction_group``, e.g. distconv's channel blocks).
         self.grouped = []
@@ -129,7 +132,8 @@ class LayoutManager(object):
     # ------------------------------------------------------------------
     # The control message
 
-    def post_control(self, engine, target, buckets, iteration):
+    def post_control(self, engine, target, buckets, iteration,
+                     n_items=None):
         """First collective of every iteration: did anything change?
 
         ChainerMN decides locally whether the set of initialised parameters
@@ -153,7 +157,8 @@ class LayoutManager(object):
         self.control = (buf, engine.allreduce(
             buf, 'max',
             label='control message of iteration {}'.format(iteration),
-            slot=(iteration, 0, len(buckets) + 1),
+            slot=(iteration, 0, len(buckets) + 1 if n_items is None
+                  else n_items),
             priority=float('inf')))
 
     def wait_control(self):
@@ -215,12 +220,15 @@ class LayoutManager(object):
             if self.rank == 0 else None)
         by_name = dict(named)
         buckets, infos = [], []
-        for index, (dtype, entries) in enumerate(plan):
+        for index, item in enumerate(plan):
+            dtype, entries = item[0], item[1]
             bplan = buckets_module.BucketPlan(
                 numpy.dtype(dtype), tuple(tuple(e) for e in entries),
                 sum(e[2] for e in entries))
             params = [by_name[e[0]] for e in entries]
             bucket = buckets_module.Bucket(index, bplan, params)
+            if self.shard_unit is not None:
+                self._shard(bucket, item[2])
             buckets.append(bucket)
             for i, (name, p) in enumerate(zip(bucket.names, params)):
                 infos.append(ParamState(name, p, bucket, i))
@@ -257,10 +265,32 @@ class LayoutManager(object):
         sizes = {n: p.size for n, p in named if p.array is not None}
         dtypes = {n: str(p.dtype) for n, p in named if p.array is not None}
         entries = [(n, sizes[n], dtypes[n]) for n in order if n in sizes]
-        return [[str(b.dtype), [list(e) for e in b.entries]]
-                for b in buckets_module.plan_buckets(
-                    entries, self.bucket_size, self.allreduce_grad_dtype,
-                    tail=TAIL_BUCKETS if self.wait == 'forward' else ())]
+        plans = buckets_module.plan_buckets(
+            entries, self.bucket_size, self.allreduce_grad_dtype,
+            tail=TAIL_BUCKETS if self.wait == 'forward' else ())
+        out = [[str(b.dtype), [list(e) for e in b.entries]] for b in plans]
+        if self.shard_unit is not None:
+            from chainermn_overlap.optimizers.sharding import layout
+            counts = layout.plan_counts(
+                [[e[2] for e in b.entries] for b in plans], self.size,
+                self.shard_unit)
+            for item, c in zip(out, counts):
+                item.append(c)
+        return out
+
+    def _shard(self, bucket, counts):
+        """Gives a sharded bucket its pieces (rank 0's, broadcast)."""
+        dtypes = {str(p.dtype) for p in bucket.params}
+        if len(dtypes) != 1:
+            raise ValueError(
+                'bucket {} mixes parameter dtypes {} (rank {}); shard= '
+                'needs the parameters of a bucket to share one dtype: use '
+                'shard=None for this model.'.format(
+                    bucket.index, sorted(dtypes), self.rank))
+        bucket.shard_counts = tuple(int(c) for c in counts)
+        bucket.param_dtype = numpy.dtype(dtypes.pop())
+        bucket.shard_grad = None
+        bucket.update_handle = None
 
     def _check_groups(self, gathered, grouped, named):
         if not grouped:

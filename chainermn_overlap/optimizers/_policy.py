@@ -121,6 +121,20 @@ class UpdatePolicy(object):
             self._defer(target)
             self._update_now(immediate)
 
+    def before_relayout(self):
+        """The layout is rebuilt: the update rules' states stay as they
+        are (they are whole)."""
+
+    def serialize(self, actual, serializer):
+        actual.serialize(serializer)
+
+    def close(self):
+        """The optimizer is closed."""
+
+    def abandon_round(self):
+        """The iteration's step is dropped (a relayout): every item of its
+        round is already posted, nothing to do."""
+
     def complete_in_update(self):
         """ChainerMN semantics: mean gradients in param.grad, then update."""
         self.reducer.mean_grads_to_params(self.infos)
@@ -135,6 +149,7 @@ class UpdatePolicy(object):
         actual.t += 1
         for info in self.infos:
             info.pending = True
+            self.reducer.alias_grad(info)
         self.pending_count = len(self.infos)
         # Parameters outside the layout (never initialised) still go through
         # their update rule, as GradientMethod.update would do.
@@ -168,6 +183,9 @@ class UpdatePolicy(object):
                 saved = param.grad
                 param.grad = reducer.mean_grad(info)
                 _run_rule(param, pre, post)
+                # Still the bucket's view (see BucketReducer.alias_grad),
+                # unless the gradient was cleared or set since the iteration
+                # closed (e.g. under no_sync): that one stays.
                 param.grad = saved
                 info.pending = False
                 self.pending_count -= 1

@@ -197,6 +197,17 @@ class BucketReducer(object):
         self.operation = operation or MeanAllreduce()
         self.stats = stats if stats is not None else CommunicationStats()
         self.first_item = 1 if control else 0
+        # Items each bucket takes in a round (2 when sharded: reduce-scatter
+        # and update; see sharding.policy).
+        self.items_per_bucket = 1
+        self.extra_items = 0
+        # Buffers released once reduced (sharded): before a bucket gets a
+        # new one, before_new_buffer() may wait for earlier buckets.
+        self.transient = False
+        # Keep a reference to each packed gradient (to notice a gradient
+        # changed after it was sent); not where gradients are released.
+        self.keep_packed = True
+        self.before_new_buffer = lambda: None
         self.buckets = []
         self.next_post = 0
         self._scratch = {}
@@ -210,6 +221,12 @@ class BucketReducer(object):
                             default=0)
 
     @property
+    def round_items(self):
+        """Items of one iteration's round of collectives."""
+        return (self.first_item + self.items_per_bucket * len(self.buckets)
+                + self.extra_items)
+
+    @property
     def all_posted(self):
         return self.next_post == len(self.buckets)
 
@@ -221,6 +238,18 @@ class BucketReducer(object):
             # whose links have not run yet: apply those updates first.
             self.before_reuse(bucket)
         xp = chainer.backend.get_array_module(info.param.array)
+        if self.transient and bucket.buffer is None:
+            # Buffers that live only until reduced: bound how many exist.
+            self.before_new_buffer()
+            if (grad is not None and len(bucket.params) == 1
+                    and grad.dtype == bucket.plan.dtype
+                    and grad.flags.c_contiguous):
+                # The gradient itself is the bucket: no copy, no buffer.
+                bucket.buffer = grad.reshape(-1)
+                info.packed = grad if self.keep_packed else None
+                info.ready = True
+                bucket.n_ready += 1
+                return
         bucket.ensure_buffer(xp)
         slot = bucket.slot(info.index)
         if grad is None:
@@ -228,7 +257,7 @@ class BucketReducer(object):
         else:
             # The cast to a narrow wire dtype is fused into the copy.
             _kernels.copy_cast(slot, grad.reshape(-1))
-        info.packed = grad
+        info.packed = grad if self.keep_packed else None
         info.ready = True
         bucket.n_ready += 1
 
@@ -250,7 +279,7 @@ class BucketReducer(object):
         bucket.handle = self.operation.start(
             self.engine, bucket,
             label='{} of iteration {}'.format(bucket.label(), iteration),
-            slot=(iteration, bucket.index + first, len(self.buckets) + first),
+            slot=(iteration, bucket.index + first, self.round_items),
             priority=prio)
         bucket.posted = True
         bucket.finalized = False
@@ -271,6 +300,12 @@ class BucketReducer(object):
         self._trace(bucket, handle, t0, t1)
         self.operation.finish(bucket, self.size)
         bucket.finalized = True
+
+    def wait_handle(self, handle):
+        """Waits for another handle of a bucket's round; counts it."""
+        t0 = time.perf_counter()
+        handle.wait()
+        self.stats.record(handle, time.perf_counter() - t0)
 
     def _trace(self, bucket, handle, t0, t1):
         tl = self.timeline
@@ -314,22 +349,51 @@ class BucketReducer(object):
     def mean_grads_to_params(self, infos):
         """Waits for every bucket; puts the mean gradients in param.grad.
 
-        ChainerMN's state after its reduction (in place where the shapes
-        allow); the buckets' results are then consumed.
+        ChainerMN's state after its reduction (see :meth:`grad_to_param`);
+        the buckets' results are then consumed.
         """
         for bucket in self.buckets:
             self.wait_bucket(bucket)
         for info in infos:
-            cur = info.param.grad
-            if (cur is not None and cur.shape == info.param.shape
-                    and cur.dtype == info.param.dtype
-                    and cur.flags.c_contiguous):
-                _kernels.copy_cast(cur.reshape(-1),
-                                   info.bucket.slot(info.index))
-            else:
-                info.param.grad = self.mean_grad(info).copy()
+            self.grad_to_param(info)
         for bucket in self.buckets:
             bucket.handle = None
+
+    def alias_grad(self, info):
+        """Makes ``param.grad`` a view of its (pending) mean in the bucket.
+
+        Called when an iteration closes with the update deferred: the
+        local gradient, already packed, is released, so a rank holds one
+        gradient per parameter between iterations, as ChainerMN does, and
+        ``param.grad`` is the mean once the update was applied
+        (``synchronize()``).  Until then the view holds the reduction in
+        progress.  A narrow wire's bucket has another dtype: the local
+        gradient stays.
+        """
+        slot = info.bucket.slot(info.index)
+        if slot.dtype == info.param.dtype:
+            info.param.grad = slot.reshape(info.param.shape)
+
+    def grad_to_param(self, info):
+        """Makes ``param.grad`` the parameter's mean gradient.
+
+        Where the wire dtype is the parameter's, ``param.grad`` becomes a
+        view of the bucket: the local gradient, already packed, is
+        released, so a rank holds one gradient per parameter between
+        iterations, as ChainerMN does (not a local one and a reduced one).
+        A narrow wire's mean is cast into ``param.grad``.
+        """
+        param = info.param
+        slot = info.bucket.slot(info.index)
+        if slot.dtype == param.dtype:
+            param.grad = slot.reshape(param.shape)
+            return
+        cur = param.grad
+        if (cur is not None and cur.shape == param.shape
+                and cur.dtype == param.dtype and cur.flags.c_contiguous):
+            _kernels.copy_cast(cur.reshape(-1), slot)
+        else:
+            param.grad = self.mean_grad(info).copy()
 
     def drain(self):
         """Waits for every in-flight bucket and forgets its result."""

@@ -10,6 +10,12 @@ grad)``, which the optimizer wires to the bucket reducer.
 
 Per-parameter state lives in :class:`ParamState`, one per parameter of the
 current layout; the layout (:mod:`._layout`) creates them.
+
+:class:`GradientTracker` is about 370 lines, over the size guide's 350: the
+uses it counts in forward (when a link swaps its taps in, with the
+sharded-parameter swaps) and the taps it counts in backward update the same
+per-parameter counts under one invariant (final when every use has
+delivered), and split over two objects that invariant would have no owner.
 """
 import time
 import weakref
@@ -83,6 +89,12 @@ class GradientTracker(taps.GradientSink):
         self.timeline = timeline
         self.on_ready = on_ready
         self.on_backward_start = on_backward_start
+        # Leave no gradient in param.grad once it is packed (sharded
+        # gradients: Chainer then keeps no full gradient either).
+        self.release_grads = False
+        # shard='parameters': what makes released parameters whole
+        # (sharding.params.ParameterShardedPolicy), else None.
+        self.shard_params = None
         self.apply_updates = apply_updates
         self._pending_count = pending_count
         self.link_hook = taps.OverlapLinkHook(self)
@@ -183,36 +195,66 @@ class GradientTracker(taps.GradientSink):
                     todo.append(info)
             if todo:
                 self.apply_updates(todo)
-        if self.no_sync_depth:
-            return
         cfg = chainer.config
         recomputing = cfg.in_recomputing
         will_recompute = cfg._will_recompute
-        if not (cfg.enable_backprop or will_recompute):
+        backprop = cfg.enable_backprop or will_recompute
+        if self.no_sync_depth or not backprop:
+            if self.shard_params is not None:
+                self._swap_whole(link, params, backprop)
             return
+        whole = self.shard_params
         dummy = taps.first_variable(args, kwargs)
-        new = {}
+        new, nodes = {}, []
         for name, p in params:
             if p.array is None:
                 continue
             info = self.info_by_pid.get(id(p))
+            value = (whole.gather(info) if whole is not None
+                     and info is not None else None)
             if will_recompute and not recomputing:
                 # First pass of F.forget: no graph now, the gradient comes
                 # from the recomputation in backward; count the use once.
                 if info is not None:
                     self._count_use(info)
-                new[name] = chainer.Variable(p.array.view(),
-                                             requires_grad=False)
+                new[name] = chainer.Variable(
+                    (p.array if value is None else value).view(),
+                    requires_grad=False)
                 continue
             if info is not None and not recomputing:
                 self._count_use(info)
-            tap = taps.GradTap(self, p, self.iteration)
+            tap = taps.GradTap(self, p, self.iteration, value)
             inputs = (p,) if dummy is None else (p, dummy)
             new[name] = tap.apply(inputs)[0]
+            if value is not None:
+                nodes.append(new[name].node)
+                whole.tapped(new[name].node, info)
+        self._swap(link, new, nodes)
+
+    def _swap_whole(self, link, params, backprop):
+        """Released parameters (``shard='parameters'``) made whole for a
+        call that is not tracked (no backprop, or under ``no_sync``)."""
+        new, nodes = {}, []
+        for name, p in params:
+            info = self.info_by_pid.get(id(p))
+            value = (None if info is None or p.array is None
+                     else self.shard_params.gather(info))
+            if value is None:
+                continue
+            if backprop:
+                # The gradient reaches the parameter, as without sharding.
+                new[name] = taps.GradTap(self, p, None, value).apply((p,))[0]
+                nodes.append(new[name].node)
+                self.shard_params.tapped(new[name].node, info)
+            else:
+                new[name] = chainer.Variable(value, requires_grad=False)
+        self._swap(link, new, nodes)
+
+    def _swap(self, link, new, nodes=()):
         if new:
             d = link.__dict__
             saved = {n: d[n] for n in new}
-            self.swaps.setdefault(id(link), []).append((link, saved))
+            self.swaps.setdefault(id(link), []).append((link, saved, nodes))
             d.update(new)
 
     def after_forward(self, link):
@@ -223,17 +265,25 @@ class GradientTracker(taps.GradientSink):
                 starts.pop(), time.perf_counter())
         stack = self.swaps.get(id(link))
         if stack:
-            _, saved = stack.pop()
+            _, saved, nodes = stack.pop()
             link.__dict__.update(saved)
+            self._release(nodes)
             if not stack:
                 del self.swaps[id(link)]
+
+    def _release(self, nodes):
+        if nodes:
+            # Functions that retained a whole parameter get it back for
+            # their backward (shard_params.before_backward).
+            self.shard_params.release_nodes(nodes)
 
     def restore_all_swaps(self):
         # A forward that raised never ran its post-hooks.
         for key, stack in list(self.swaps.items()):
             while stack:
-                link, saved = stack.pop()
+                link, saved, nodes = stack.pop()
                 link.__dict__.update(saved)
+                self._release(nodes)
             del self.swaps[key]
 
     def _count_use(self, info):
@@ -312,11 +362,15 @@ class GradientTracker(taps.GradientSink):
             self.timeline.instant('grad ready ' + info.name, 'backward')
             total, info.total = info.total, None
             self.on_ready(info, None if total is None else total.array)
+            if self.release_grads:
+                return None
         return new
 
     def on_raw_use(self, info):
         if info.pending:
             self.apply_updates([info])
+        if self.shard_params is not None:
+            self.shard_params.raw_use(info)
         if self.no_sync_depth or not self.has_layout:
             return
         cfg = chainer.config

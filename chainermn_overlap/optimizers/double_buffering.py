@@ -228,7 +228,8 @@ def create_double_buffering_optimizer(
         timeout: Union[float, str, None] = None,
         stall_warning: Union[float, str, None] = None,
         debug: Optional[bool] = None, timeline: Optional[str] = None,
-        compression: Optional[PowerSGD] = None
+        compression: Optional[PowerSGD] = None,
+        shard: Optional[str] = None
 ) -> '_DoubleBufferingOptimizer':
     """Creates a multi-node optimizer that updates with stale gradients.
 
@@ -258,12 +259,20 @@ def create_double_buffering_optimizer(
             wire reduces with float32 arithmetic; PowerSGD's error feedback
             and warm-up count the gradients posted, one update ahead of the
             parameters they are applied to).
+        shard: not supported: accepted so that passing it says why.
 
     Returns:
         The wrapped optimizer; attribute access goes to the actual optimizer.
         ``synchronize()`` (alias ``wait()``), ``close()`` and
         ``communication_stats()`` are its own.
     """
+    if shard is not None:
+        raise ValueError(
+            'double buffering cannot shard (shard={!r}): its update uses the '
+            'previous iteration\'s whole mean gradient while the next one is '
+            'reduced. Use create_overlapped_optimizer(..., shard={!r}), '
+            'which overlaps as far without stale gradients.'.format(shard,
+                                                                  shard))
     _wrapper.check_arguments('create_double_buffering_optimizer',
                              actual_optimizer, communicator)
     backends.get_backend(backend)  # an unknown name fails here, not later

@@ -50,6 +50,8 @@ from chainermn_overlap.optimizers._layout import UNCHANGED
 from chainermn_overlap.optimizers._policy import UpdatePolicy
 from chainermn_overlap.optimizers._reducer import BucketReducer
 from chainermn_overlap.optimizers._tracker import GradientTracker
+from chainermn_overlap.optimizers.sharding import params as sharding_params
+from chainermn_overlap.optimizers.sharding import policy as sharding_policy
 
 
 __all__ = ['DEFAULT_BUCKET_SIZE', 'SUPPORTS_REDUCTION_GROUPS',
@@ -67,7 +69,8 @@ class _OverlapState(object):
 
     def __init__(self, actual, communicator, wait, bucket_size, zero_fill,
                  allreduce_grad_dtype, backend, backend_options,
-                 timeline=None, compression=None):
+                 timeline=None, compression=None, shard=None,
+                 shard_unit='element'):
         self.actual = actual
         self.communicator = communicator
         self.mpi_comm = communicator.mpi_comm
@@ -84,20 +87,44 @@ class _OverlapState(object):
         self.engine = None
         self.target = None
         self.timeline = timeline or timeline_module.NullTimeline()
-        self.layout = LayoutManager(self.mpi_comm, bucket_size,
-                                    allreduce_grad_dtype, wait)
+        self.shard = shard
+        self.layout = LayoutManager(
+            self.mpi_comm, bucket_size, allreduce_grad_dtype, wait,
+            shard_unit=shard_unit if shard is not None else None)
+        if shard is None:
+            operation = _reducer.choose_operation(allreduce_grad_dtype,
+                                                  compression)
+        else:
+            operation = sharding_policy.ReduceScatterMean(self.rank)
         self.reducer = BucketReducer(
             None, self.size, wait, self.timeline,
             before_reuse=self._flush_bucket,
-            before_first_post=self._post_control,
-            operation=_reducer.choose_operation(allreduce_grad_dtype,
-                                                compression))
-        self.policy = UpdatePolicy(actual, wait, self.reducer, self.timeline)
+            before_first_post=self._post_control, operation=operation)
+        if shard is None:
+            self.policy = UpdatePolicy(actual, wait, self.reducer,
+                                       self.timeline)
+        else:
+            self.reducer.items_per_bucket = 2
+            cls = (sharding_params.ParameterShardedPolicy
+                   if shard == 'parameters' else
+                   sharding_policy.ShardedPolicy)
+            self.reducer.extra_items = getattr(cls, 'extra_items', 0)
+            self.reducer.transient = True
+            self.policy = cls(
+                actual, wait, self.reducer, self.timeline, self.rank,
+                shard_unit, shard != 'optimizer', self.mpi_comm,
+                iteration=lambda: self.tracker.iteration)
         self.tracker = GradientTracker(
             self.rank, self.timeline, on_ready=self._on_ready,
             on_backward_start=self._on_backward_start,
             apply_updates=self.policy.apply,
             pending_count=lambda: self.policy.pending_count)
+        if shard is not None:
+            self.reducer.before_new_buffer = self.policy.throttle
+        self.tracker.release_grads = shard in ('gradients', 'parameters')
+        self.reducer.keep_packed = not self.tracker.release_grads
+        if shard == 'parameters':
+            self.tracker.shard_params = self.policy
 
     # What tests, benchmarks and the wrapper read.
     stats = property(lambda self: self.reducer.stats)
@@ -145,6 +172,7 @@ class _OverlapState(object):
     def close(self):
         if self.target is not None:
             self.detach()
+        self.policy.close()
         self.write_timeline()
         if self.engine is not None:
             self.engine.close()
@@ -160,6 +188,15 @@ class _OverlapState(object):
     def on_cleargrads(self, link):
         self.tracker.on_cleargrads(link)
 
+    def before_zerograds(self, link):
+        """Applies the link's pending updates before its gradients are
+        zero-filled in place (they may be views of a pending mean)."""
+        info_by_pid = self.tracker.info_by_pid
+        todo = [info for info in map(info_by_pid.get, map(id, link.params()))
+                if info is not None and info.pending]
+        if todo:
+            self.policy.apply(todo)
+
     def _on_ready(self, info, grad):
         self.reducer.pack(info, grad)
         self.reducer.try_post(self.tracker.iteration)
@@ -173,7 +210,8 @@ class _OverlapState(object):
 
     def _post_control(self):
         self.layout.post_control(self.engine, self.target,
-                                 self.reducer.buckets, self.tracker.iteration)
+                                 self.reducer.buckets, self.tracker.iteration,
+                                 n_items=self.reducer.round_items)
 
     def _flush_bucket(self, bucket):
         self.policy.flush_bucket(bucket)
@@ -205,6 +243,7 @@ class _OverlapState(object):
         assert reducer.all_posted
         level, all_loaded = self.layout.wait_control()
         if level != UNCHANGED:
+            self.policy.abandon_round()
             self._relayout(skip=level == SKIP and not all_loaded)
             return
         self._reduce_groups()
@@ -224,6 +263,7 @@ class _OverlapState(object):
         lets the layout decide, with the rule the control message applies.
         """
         self.reducer.drain()
+        self.policy.before_relayout()
         self._hook_links()
         buckets, infos, skip = self.layout.build(
             self.target, self.tracker.observed, skip)
@@ -283,6 +323,8 @@ class _OverlapState(object):
                 bucket.handle.wait()
             elif bucket.handle is not None:
                 self._flush_bucket(bucket)
+        if self.shard == 'parameters':
+            self.policy.materialize()
 
     def mark_loaded(self):
         """Parameters were deserialized: broadcast them at the next update."""
@@ -356,7 +398,7 @@ class _OverlappedOptimizer(_wrapper.OptimizerWrapper):
     def serialize(self, serializer):
         st = self._overlap
         st.synchronize()
-        st.actual.serialize(serializer)
+        st.policy.serialize(st.actual, serializer)
         if st.compression is not None:
             st.compression.serialize(serializer['compression'])
         if isinstance(serializer, chainer.serializer.Deserializer):
@@ -371,6 +413,31 @@ class _OverlappedOptimizer(_wrapper.OptimizerWrapper):
         return self._overlap.write_timeline()
 
 
+SHARD_MODES = (None, 'optimizer', 'gradients', 'parameters')
+
+
+def _check_shard(shard, shard_unit, compression, backend):
+    if shard not in SHARD_MODES:
+        raise ValueError(
+            "shard must be None, 'optimizer', 'gradients' or 'parameters', "
+            'got {!r}'.format(shard))
+    if shard_unit not in ('element', 'parameter'):
+        raise ValueError("shard_unit must be 'element' or 'parameter', got "
+                         '{!r}'.format(shard_unit))
+    if shard is None:
+        return
+    if compression is not None:
+        raise ValueError(
+            'shard={!r} cannot be combined with compression: PowerSGD '
+            'reduces low-rank factors of whole gradients, which no rank '
+            'holds when they are sharded; drop one of the two.'.format(shard))
+    if backend == 'nccl':
+        raise ValueError(
+            "shard={!r} runs on the MPI engines ('mpi_priority', "
+            "'mpi_thread'; GPU arrays are staged through host memory), not "
+            "on backend='nccl'.".format(shard))
+
+
 def create_overlapped_optimizer(
         actual_optimizer: chainer.Optimizer, communicator: Any,
         wait: str = 'forward', bucket_size: Union[int, str, None] = None,
@@ -381,7 +448,9 @@ def create_overlapped_optimizer(
         timeout: Union[float, str, None] = None,
         stall_warning: Union[float, str, None] = None,
         debug: Optional[bool] = None,
-        compression: Optional[PowerSGD] = None) -> '_OverlappedOptimizer':
+        compression: Optional[PowerSGD] = None,
+        shard: Optional[str] = None,
+        shard_unit: str = 'element') -> '_OverlappedOptimizer':
     """Creates a multi-node optimizer that overlaps reduction with compute.
 
     A drop-in for :func:`chainermn.create_multi_node_optimizer`: gradients
@@ -449,6 +518,19 @@ def create_overlapped_optimizer(
             ``chainermn_overlap.PowerSGD(rank=4, warmup_iterations=100)``
             (default: none, results exactly ChainerMN's).  Its state is
             part of the optimizer's snapshot.
+        shard (str): keep on each rank only its share of what every rank
+            otherwise holds in full (ZeRO): ``'optimizer'`` (the update
+            rules' state: each rank updates its piece of every bucket,
+            after a reduce-scatter, and the updated parameters are
+            allgathered), ``'gradients'`` (also no full gradient is kept:
+            ``param.grad`` is released once packed) or ``None`` (default).
+            The same bytes travel as without it.  Parameters reduced
+            within a group (distconv's channel blocks) are not sharded.
+            Not with ``compression`` or ``backend='nccl'``.
+        shard_unit (str): how buckets are cut between ranks:
+            ``'element'`` (default; even pieces, a parameter may be split,
+            which needs element-wise update rules and hooks) or
+            ``'parameter'`` (whole parameters per rank, any rule).
 
     Returns:
         The wrapped optimizer.  Attribute access goes to the actual
@@ -460,13 +542,16 @@ def create_overlapped_optimizer(
         raise ValueError("wait must be 'forward' or 'update', got {!r}"
                          .format(wait))
     allreduce_grad_dtype = _wrapper.check_wire_dtype(allreduce_grad_dtype)
+    _check_shard(shard, shard_unit, compression, backend)
     if bucket_size is not None:
         bucket_size = config.parse_size(bucket_size)
-    elif (allreduce_grad_dtype is not None
-          and allreduce_grad_dtype.itemsize < 4 and compression is None):
-        # The float16 ring runs a bucket whole (the engine cannot slice
-        # it): buckets of one chunk keep what the next forward needs from
-        # waiting behind a large one.
+    elif shard is not None or (
+            allreduce_grad_dtype is not None
+            and allreduce_grad_dtype.itemsize < 4 and compression is None):
+        # A sharded bucket's reduce-scatter and update, and the float16
+        # ring, run whole (the engine cannot slice them): buckets of one
+        # chunk keep what the next forward needs from waiting behind a
+        # large one.
         bucket_size = (config.parse_size(chunk_size) if chunk_size
                        is not None else DEFAULT_CHUNK_BYTES)
     else:
@@ -484,9 +569,12 @@ def create_overlapped_optimizer(
                                                  debug)
     tl = (timeline_module.Timeline(str(timeline), communicator.rank)
           if timeline is not None else None)
+    if shard is not None and backend is None:
+        backend = 'mpi_priority'
     state = _OverlapState(actual_optimizer, communicator, wait, bucket_size,
                           zero_fill, allreduce_grad_dtype, backend,
-                          backend_options, tl, compression)
+                          backend_options, tl, compression, shard,
+                          shard_unit)
     state.watch_options = watch_options
     if tl is not None:
         _TIMELINES.add(state)

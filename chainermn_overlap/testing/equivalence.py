@@ -33,18 +33,22 @@ import numpy as np
 import chainer
 import chainermn
 
+from chainermn_overlap import config
 from chainermn_overlap.testing import models
 
 __all__ = [
-    'ENV_VAR', 'REFERENCE', 'MLP', 'ChainerMNImpl', 'OverlappedImpl', 'Run',
+    'ENV_VAR', 'REFERENCE', 'SHARD_ENV_VAR', 'MLP', 'ChainerMNImpl', 'OverlappedImpl', 'Run',
     'all_ranks_ok', 'assert_all_ranks', 'assert_different',
     'assert_equivalent', 'assert_same_value', 'compare_states',
     'cross_rank_errors', 'get_communicator', 'global_rng',
-    'implementation_under_test', 'make_batches', 'param_state', 'rank_slice',
+    'implementation_under_test', 'shard_mode', 'make_batches', 'param_state', 'rank_slice',
     'seed_for_rank', 'train', 'train_both',
 ]
 
 ENV_VAR = 'CHAINERMN_OVERLAP_TEST_OPTIMIZER'
+#: ``shard=`` given to the overlapped optimizer by default (the same suites
+#: then check every sharding mode against ChainerMN).
+SHARD_ENV_VAR = config.TEST_SHARD_ENV
 
 #: ``{name: array or None}``, as :func:`param_state` returns.
 State = Dict[str, Optional[np.ndarray]]
@@ -117,6 +121,9 @@ class OverlappedImpl(object):
 
     def create(self, actual: chainer.Optimizer, comm: Any,
                wait: str = 'forward', **options: Any) -> Any:
+        shard = os.environ.get(SHARD_ENV_VAR)
+        if shard:
+            options.setdefault('shard', shard)
         return self._module.create_overlapped_optimizer(
             actual, comm, wait=wait, **options)
 
@@ -128,6 +135,11 @@ class OverlappedImpl(object):
 
 
 REFERENCE = ChainerMNImpl()
+
+
+def shard_mode() -> Optional[str]:
+    """The ``shard=`` the overlapped optimizer gets by default (or None)."""
+    return os.environ.get(SHARD_ENV_VAR) or None
 
 
 def implementation_under_test() -> Impl:

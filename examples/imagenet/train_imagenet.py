@@ -22,7 +22,11 @@ blocking allreduce after backward); ``--optimizer overlap`` is
 ``chainermn_overlap.create_overlapped_optimizer``, which reduces gradients
 during backward.  At the end rank 0 prints the median wall time of an
 iteration (slowest rank, after ``--warmup`` iterations) and the throughput in
-images per second over all processes.
+images per second over all processes.  With ``--optimizer overlap`` the log
+also shows, per iteration, the bytes reduced, the seconds spent reducing and
+waiting, and the fraction hidden (``comm/...``, from
+``chainermn_overlap.extensions.CommunicationReport``); where matplotlib is
+installed, ``loss.png`` and ``communication.png`` are plotted into ``--out``.
 
 Threads: numpy's BLAS and OpenMP use as many threads as the environment says
 (``OMP_NUM_THREADS``, ``OPENBLAS_NUM_THREADS``, ``MKL_NUM_THREADS``).  With
@@ -30,6 +34,7 @@ several processes on one host, set them to about cores / processes, or
 processes fight over the cores and timings become noise; ``make demo`` sets 1.
 """
 import argparse
+import importlib.util
 import os
 import sys
 import time
@@ -40,6 +45,8 @@ from chainer import training
 from chainer.training import extensions
 import chainermn
 import numpy as np
+
+from chainermn_overlap import extensions as comm_extensions
 
 # ``models`` is the package beside this file.  Imported as
 # ``examples.imagenet.train_imagenet`` it is a subpackage; run as a script,
@@ -478,6 +485,23 @@ def main(argv=None):
         if val is not None:
             entries += ['validation/main/loss', 'validation/main/accuracy']
         entries += ['time/iteration', 'elapsed_time']
+        # PlotReport.available() warns when matplotlib is missing; plotting
+        # is optional here, so look for it quietly.
+        can_plot = importlib.util.find_spec('matplotlib') is not None
+        if hasattr(optimizer, 'communication_stats'):
+            # Bytes reduced, time reduced and waited, fraction hidden: per
+            # iteration in the log, beside the loss.
+            report = comm_extensions.CommunicationReport(optimizer)
+            trainer.extend(report)
+            entries += report.entries
+            if can_plot:
+                trainer.extend(extensions.PlotReport(
+                    ['comm/comm_seconds', 'comm/wait_seconds'], 'iteration',
+                    trigger=log_trigger, filename='communication.png'))
+        if can_plot:
+            trainer.extend(extensions.PlotReport(
+                ['main/loss'], 'iteration', trigger=log_trigger,
+                filename='loss.png'))
         trainer.extend(extensions.PrintReport(entries), trigger=log_trigger)
         if args.progress:
             trainer.extend(extensions.ProgressBar(

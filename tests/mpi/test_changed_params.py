@@ -171,6 +171,11 @@ def _compare(model, record, ref_model, ref_record, tol, label):
     ('momentum', True), ('adam', True), ('momentum', False)])
 def test_changed_parameters_equal_chainermn(impl, comm, scenario, wait,
                                             actual, sync_each_step):
+    if scenario == 'setup again, no backward' and eq.shard_mode() in (
+            'gradients', 'parameters'):
+        pytest.skip("with shard='gradients' no gradient outlives update(): "
+                    'an update without a new backward reduces zeros, where '
+                    "ChainerMN reuses the last mean (documented)")
     ref_model, ref_record = _run(eq.REFERENCE, scenario, actual, wait,
                                  True, comm)
     model, record = _run(impl, scenario, actual, wait, sync_each_step, comm)

@@ -326,6 +326,9 @@ def test_non_contiguous_arrays(comm):
     7.8.1's own 'naive' communicator gets these cases wrong (it reads the raw
     memory of non-contiguous arrays), so the test exercises them.
     """
+    if eq.shard_mode() in ('gradients', 'parameters'):
+        pytest.skip("the test edits param.grad after backward, which "
+                    "shard='gradients' releases during backward")
     data = batches(47, 5)
     template = build(47)
     strided = copy.deepcopy(template)

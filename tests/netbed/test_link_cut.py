@@ -1,6 +1,6 @@
 """A network link cut mid-training ends the job with an error, not a hang.
 
-Two ranks train over a shaped veth link (benchmarks/netbed.py); a few
+Two ranks train over a shaped veth link (testbed/netbed.py); a few
 seconds in, the test takes rank 1's interface down.  TCP then neither
 delivers nor fails, so without the watchdog every rank waits forever (the
 negative control shows it); with ``timeout=`` the waiting rank raises
@@ -13,7 +13,7 @@ import sys
 import threading
 import time
 
-from benchmarks import netbed
+from testbed import netbed
 # tests/netbed has no __init__.py: pytest puts it on sys.path (rootdir-based
 # "prepend" import mode) and imports test_netbed under this name.
 from test_netbed import needs_root

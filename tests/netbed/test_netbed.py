@@ -1,4 +1,4 @@
-"""The network test bed (benchmarks/netbed.py): shaping and clean-up.
+"""The network test bed (testbed/netbed.py): shaping and clean-up.
 
 Needs root (network namespaces, tc) and iproute2; skipped otherwise, with
 the reason.  Runs in ``make test`` (target ``test-netbed``) in well under a
@@ -13,11 +13,11 @@ import time
 
 import pytest
 
-from benchmarks import netbed
+from testbed import netbed, probe
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(
     os.path.abspath(__file__))))
-NETBED = os.path.join(ROOT, 'benchmarks', 'netbed.py')
+NETBED = os.path.join(ROOT, 'testbed', 'netbed.py')
 
 
 def _missing_capability():
@@ -68,8 +68,8 @@ def test_measured_bandwidth_follows_the_configured_rate():
         with netbed.NetBed(2, rate) as bed:
             assert len(ours()) == 2
             desc = bed.describe()
-            results[rate] = netbed.probe(bed, nbytes=4 * 2 ** 20, repeats=2,
-                                         timeout=60)
+            results[rate] = probe.probe(bed, nbytes=4 * 2 ** 20, repeats=2,
+                                        timeout=60)
         assert results[rate]['correct']
         assert results[rate]['addresses'] == ['10.213.0.1', '10.213.0.2']
         configured = netbed.parse_rate(rate)

@@ -1,4 +1,4 @@
-"""The test bed's link delay (benchmarks/netbed.py, benchmarks/netrelay.py).
+"""The test bed's link delay (testbed/netbed.py, testbed/netrelay.py).
 
 A bed asked for a one-way ``delay`` must delay every frame on the link, in
 both directions, through the ranks' own TCP/IP stacks: with ``netem`` where
@@ -18,8 +18,8 @@ import time
 
 import pytest
 
-from benchmarks import launch
-from benchmarks import netbed
+from testbed._system import child_env
+from testbed import netbed
 # tests/netbed has no __init__.py: pytest puts it on sys.path (rootdir-based
 # "prepend" import mode) and imports test_netbed under this name.
 from test_netbed import needs_root
@@ -120,7 +120,7 @@ def test_delay_applies_to_every_frame_both_ways():
 def test_mpi_small_messages_pay_the_round_trip():
     with netbed.NetBed(2, '400mbit', delay=DELAY) as bed:
         res = bed.run_mpi([sys.executable, PINGPONG, '20'], timeout=60,
-                          env=launch.worker_env())
+                          env=child_env())
     assert res['returncode'] == 0, res['stderr'][-3000:]
     line = [ln for ln in res['stdout'].splitlines()
             if ln.startswith('PINGPONG ')]
@@ -157,7 +157,7 @@ def test_relay_dies_with_a_killed_bed():
     # SIGKILL leaves no chance to clean up: the relay must die with its
     # parent, and the next bed removes the stale namespaces.
     code = ('import sys, time; sys.path.insert(0, {!r}); '
-            'from benchmarks import netbed; '
+            'from testbed import netbed; '
             'bed = netbed.NetBed(2, "50mbit", delay={!r}, '
             'delay_method="relay").__enter__(); '
             'print(bed.relay.pid, flush=True); time.sleep(60)'

@@ -4,13 +4,13 @@ MPICH's blocking ``Allreduce`` over UCX's TCP transport polls: a rank
 whose peer arrives 1 s late burns most of that second of CPU, taken from
 the training thread that shares its core.  The engines, the float16 ring
 and PowerSGD wait through ``communication.progress`` instead.  Two ranks
-over a shaped link (benchmarks/netbed.py), one core each.
+over a shaped link (testbed/netbed.py), one core each.
 """
 import json
 import os
 import sys
 
-from benchmarks import netbed
+from testbed import netbed
 from test_netbed import needs_root
 
 HERE = os.path.dirname(os.path.abspath(__file__))

@@ -19,6 +19,9 @@ iteration ITER:
 * ``hang``: sleeps in forward (the others' watchdog times out);
 * ``kill_temp``: while writing the snapshot of iteration ITER, SIGKILL after
   the rank's temporary file is written, before its rename;
+* ``hang_snapshot``: while writing the snapshot of iteration ITER, sleeps
+  after the rank's temporary file is written (the others wait in the
+  snapshot's collective: its timeout must end the job);
 * ``kill_manifest``: SIGKILL on rank 0 after every rank's file is in place,
   before the manifest (RANK is ignored);
 * ``corrupt``: flips bytes in the newest snapshot's file of rank RANK, then
@@ -30,6 +33,9 @@ iteration ITER:
 SIZE ranks fails at start (a node that does not come back).
 ``--soak N,SEED``: kills on attempts 0..N-1 at a random rank, iteration
 (1-4 past the resume point) and place (forward, backward, mid-snapshot).
+``--sleep S`` paces each forward pass (for faults from outside the job,
+tests/netbed/test_hosts.py); ``--log-loss`` prints rank 0's loss every
+``--every`` iterations.
 
 Lines printed (for the tests): ``restart_job: inject KIND at iteration I on
 rank R attempt A t=T`` before a fault and ``restart_job: training at
@@ -101,6 +107,11 @@ def main():
     p.add_argument('--lost-node', default=None)
     p.add_argument('--soak', default=None)
     p.add_argument('--filler', default=None)
+    p.add_argument('--sleep', type=float, default=0.0,
+                   help='seconds each forward pass pauses (paces a long '
+                   'run for faults from outside)')
+    p.add_argument('--log-loss', action='store_true',
+                   help='rank 0 prints the loss at every snapshot interval')
     args = p.parse_args()
     attempt = int(os.environ.get('CHAINERMN_OVERLAP_RESTART', '0'))
 
@@ -126,7 +137,7 @@ def main():
     if not args.no_snapshot:
         snap = ext_module.auto_snapshot(comm, args.out,
                                         trigger=(args.every, 'iteration'),
-                                        keep=args.keep)
+                                        keep=args.keep, timeout=args.timeout)
 
     def current_iteration():
         return hold['trainer'].updater.iteration + 1
@@ -147,6 +158,8 @@ def main():
         os.kill(os.getpid(), signal.SIGKILL)
 
     def hook(where, h):
+        if args.sleep:
+            time.sleep(args.sleep)
         f = due(('raise', 'hang', 'corrupt', 'fill'))
         if f is not None:
             announce(f[0], f[1])
@@ -190,6 +203,10 @@ def main():
             for f in faults:
                 if f[1] != iteration or f[2] != attempt:
                     continue
+                if (f[0] == 'hang_snapshot' and stage == 'rank_file_written'
+                        and f[3] == comm.rank):
+                    announce(f[0], iteration)
+                    time.sleep(3600)
                 if ((f[0] == 'kill_temp' and stage == 'rank_file_written'
                      and f[3] == comm.rank)
                         or (f[0] == 'kill_manifest'
@@ -253,6 +270,20 @@ def main():
                                   else None, time.time()))
 
     trainer.extend(report)
+
+    if args.log_loss:
+        @training.make_extension(trigger=(args.every, 'iteration'),
+                                 priority=-200)
+        def log_loss(trainer):
+            # Only at snapshot iterations (the interval trigger also fires
+            # on the first iteration after a resume): a loss line then
+            # means that snapshot is complete (this runs after it).
+            if comm.rank == 0 and trainer.updater.iteration % args.every \
+                    == 0:
+                say('loss at iteration {} attempt {} size {} = {:.6f}'.format(
+                    trainer.updater.iteration, attempt, comm.size,
+                    float(trainer.observation['main/loss'].array)))
+        trainer.extend(log_loss)
 
     if plan is not None:
         # Planned once the resume point is known (after initialize).

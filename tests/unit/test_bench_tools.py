@@ -1,32 +1,9 @@
 """Pure helpers of the benchmarks (no root, no MPI)."""
-import os
 
 import pytest
 
-from benchmarks import netbed
+from benchmarks import anchor
 from benchmarks import overlap_bench as ob
-
-
-def test_parse_rate():
-    assert netbed.parse_rate('400mbit') == 400e6
-    assert netbed.parse_rate('1.5gbit') == 1.5e9
-    assert netbed.parse_rate(2e8) == 2e8
-    with pytest.raises(ValueError, match='400mbit'):
-        netbed.parse_rate('fast')
-    with pytest.raises(ValueError):
-        netbed.parse_rate('0mbit')
-
-
-def test_parse_delay():
-    assert netbed.parse_delay('0.5ms') == pytest.approx(5e-4)
-    assert netbed.parse_delay(None) is None
-    with pytest.raises(ValueError):
-        netbed.parse_delay('5 parsecs')
-
-
-def test_tbf_burst():
-    assert netbed.tbf_burst_bytes(400e6) == 250000
-    assert netbed.tbf_burst_bytes(1e6) == 64 * 1024
 
 
 def test_rate_for_hits_the_target_in_the_model():
@@ -48,14 +25,24 @@ def test_next_rate_stays_in_the_bracket_and_survives_noise():
     assert r == pytest.approx((100e6 * 150e6) ** 0.5)
 
 
-def test_summarize_and_scalability():
+def test_summarize_and_scalability_per_round():
     s = ob.add_scalability({
-        'alone': ob.summarize({'iteration_seconds': [1.0, 1.0, 2.0]}),
-        'blocking': ob.summarize({'iteration_seconds': [1.5, 1.5, 1.6]}),
+        'alone': ob.summarize({'round_seconds': [[1.0, 1.0], [2.0, 2.0],
+                                                 [1.0, 1.2]]}),
+        'blocking': ob.summarize({'round_seconds': [[1.5, 1.5], [3.2, 3.2],
+                                                    [1.6, 1.6]]}),
     })
-    assert s['alone']['it_per_s_median'] == 1.0
+    # Over all iterations: median 1.1 s, slowest 2 s.
+    assert s['alone']['it_per_s_median'] == pytest.approx(1 / 1.1)
     assert s['alone']['it_per_s_min'] == 0.5
+    # Per round: 1/1.5, 2/3.2, 1.1/1.6; the machine slowed down in round 2
+    # for both, which a ratio of overall medians would not see.
+    rounds = [1 / 1.5, 2 / 3.2, 1.1 / 1.6]
+    assert s['blocking']['scalability_rounds'] == pytest.approx(rounds)
     assert s['blocking']['scalability'] == pytest.approx(1 / 1.5)
+    lo, hi = s['blocking']['scalability_ci']
+    assert min(rounds) <= lo <= 1 / 1.5 <= hi <= max(rounds)
+    assert s['alone']['scalability'] == 1.0
 
 
 def test_emulation_settings_keep_the_anchor_ratio():
@@ -69,14 +56,6 @@ def test_emulation_settings_keep_the_anchor_ratio():
     assert st['emulation'] and 'EMULATION' in st['label']
 
 
-def test_netbed_says_plainly_when_not_root(monkeypatch, capsys):
-    monkeypatch.setattr(os, 'geteuid', lambda: 1000)
-    with pytest.raises(SystemExit) as exc:
-        netbed.require_root()
-    assert exc.value.code == 2
-    assert 'needs root' in capsys.readouterr().err
-
-
 def test_compression_bound():
     from benchmarks.compression_bench import bound
     # CPU-limited: 1 s compute + 100 MB at 2 ms/MB of compute = 1.2 s.
@@ -85,3 +64,32 @@ def test_compression_bound():
     assert bound(1.0, 100e6, 2e-9, 50e6) == pytest.approx(0.5)
     # Compression compute counts; a negative (noisy) cost counts as zero.
     assert bound(1.0, 0, -1.0, 1e9, t_extra=0.25) == pytest.approx(0.8)
+
+
+def test_anchor_wire_bytes():
+    # A ring allreduce moves 2 (n-1)/n of the array per rank.
+    assert anchor.wire_bytes(1000, 2) == 1000
+    assert anchor.wire_bytes(1600, 16) == pytest.approx(3000)
+
+
+def test_scaling_keeps_the_ratio():
+    # A machine 10x slower than the anchor needs a 10x slower link.
+    assert anchor.scale_bandwidth(10e9, 0.3, 3.0) == pytest.approx(1e9)
+    nbytes, nodes, bw = 102 * 10 ** 6, 16, 10e9
+    tc = anchor.anchor_compute_seconds(nbytes, nodes, bw, 0.6672)
+    from chainermn_overlap.communication import emulated as em
+    t_comm = em.ring_allreduce_seconds(nbytes, nodes, 0.0, bw / 8)
+    assert tc / (tc + t_comm) == pytest.approx(0.6672)
+
+
+def test_the_reference_is_the_slower_rank_alone():
+    alone = {'round_seconds': [[1.0, 1.0], [1.0, 1.0]],
+             'round_seconds_by_rank': [[[1.0, 1.0], [1.0, 1.0]],
+                                       [[1.1, 1.1], [0.9, 0.9]]]}
+    mode = {'round_seconds': [[1.2, 1.2], [1.2, 1.2]],
+            'round_seconds_by_rank': [[[1.2, 1.2], [1.2, 1.2]]] * 2}
+    assert ob.slowest_rank_rounds(alone) == [[1.1, 1.1], [1.0, 1.0]]
+    s = ob.add_scalability({'alone': dict(alone), 'mode': dict(mode)})
+    # Round 1: rank 1 alone was slower (1.1 s): the job is bound by it.
+    assert s['mode']['scalability_rounds'] == pytest.approx([1.1 / 1.2,
+                                                             1.0 / 1.2])

@@ -9,7 +9,6 @@ import pytest
 from mpi4py import MPI
 
 from chainermn_overlap.communication import backends
-from benchmarks import anchor
 from chainermn_overlap.communication import emulated as em
 
 
@@ -26,8 +25,6 @@ def test_ring_single_node_is_free():
 
 def test_ring_two_nodes_moves_the_whole_array_once():
     assert em.ring_allreduce_seconds(1000, 2, 0.0, 100.0) == pytest.approx(10)
-    assert anchor.wire_bytes(1000, 2) == 1000
-    assert anchor.wire_bytes(1600, 16) == pytest.approx(3000)
 
 
 def test_ring_rejects_bad_arguments():
@@ -55,15 +52,6 @@ def test_link_model_reserve_matches_schedule():
     posts = [(0.0, 100), (0.1, 50), (10.0, 0)]
     expected = em.schedule(posts, 4, 0.25, 100.0)
     assert [link.reserve(*p) for p in posts] == expected
-
-
-def test_scaling_keeps_the_ratio():
-    # A machine 10x slower than the anchor needs a 10x slower link.
-    assert anchor.scale_bandwidth(10e9, 0.3, 3.0) == pytest.approx(1e9)
-    nbytes, nodes, bw = 102 * 10 ** 6, 16, 10e9
-    tc = anchor.anchor_compute_seconds(nbytes, nodes, bw, 0.6672)
-    t_comm = em.ring_allreduce_seconds(nbytes, nodes, 0.0, bw / 8)
-    assert tc / (tc + t_comm) == pytest.approx(0.6672)
 
 
 def test_parse_settings():

@@ -5,9 +5,11 @@ The packed layout must be byte-for-byte what
 ``ascontiguousarray(x[..., box])`` over the plan's boxes), and unpacking
 must do what the exchange does with received buffers (write for the
 forward, add for the adjoint).  Both methods are checked on numpy: the
-strided copies numpy uses, and the one-kernel gather/scatter over an index
-map that cupy uses.  Exchange plans come from the real planner for uneven
-blocks, halos wider than a block, corners, and 1-D to 3-D grids.
+strided copies (the default on every backend), and the one-kernel
+gather/scatter over an index map.  General regions (sample slices, channel
+blocks) are what redistribution and the channel convolutions pack.
+Exchange plans come from the real planner for uneven blocks, halos wider
+than a block, corners, and 1-D to 3-D grids.
 """
 import itertools
 
@@ -200,3 +202,120 @@ def test_index_maps_are_cached():
     assert _pack.index_map((1, 2, 3, 3), boxes, (0, 0)) is a
     assert list(a) == [0, 1, 9, 10]
     assert list(itertools.islice(a, 2)) == [0, 1]
+
+
+# ----------------------------------------------------------------------
+# General regions: what redistribution and channel messages pack
+# ----------------------------------------------------------------------
+REGION_CASES = [
+    # (array shape, selections): sample slices, channel blocks, spatial
+    # boxes with all samples, the whole array, an empty one.
+    ((5, 3, 4, 6), [(slice(1, 3),), (slice(3, 5),), (slice(0, 0),)]),
+    ((2, 7, 9), [(slice(None), slice(0, 3)), (slice(None), slice(3, 7))]),
+    ((3, 2, 5, 4), [(Ellipsis, slice(0, 2), slice(1, 4)),
+                    (Ellipsis, slice(2, 5), slice(0, 4))]),
+    ((2, 3, 4), [(Ellipsis,)]),
+]
+
+
+@pytest.mark.parametrize('method', METHODS)
+@pytest.mark.parametrize('shape, sels', REGION_CASES)
+def test_regions_pack_what_the_selections_select(shape, sels, method):
+    x = np.random.RandomState(1).randn(*shape).astype(np.float32)
+    regions = [_pack.region_of(s, shape) for s in sels]
+    buf, pieces = _pack.pack(np, x, regions, method=method)
+    want = [np.ascontiguousarray(x[s]) for s in sels]
+    assert buf.tobytes() == b''.join(w.tobytes() for w in want)
+    for w, p in zip(want, pieces):
+        assert p.shape == w.shape
+    # unpack is the inverse (disjoint regions) and accumulate its adjoint.
+    back = np.full_like(x, 7)
+    _pack.unpack(np, buf, back, regions, method=method)
+    want_back = np.full_like(x, 7)
+    for s in sels:
+        want_back[s] = x[s]
+    assert back.tobytes() == want_back.tobytes()
+    acc = np.ones_like(x)
+    _pack.unpack(np, buf, acc, regions, accumulate=True, method=method)
+    want_acc = np.ones_like(x)
+    for s in sels:
+        want_acc[s] += x[s]
+    assert acc.tobytes() == want_acc.tobytes()
+
+
+def test_region_of_follows_numpy_slicing():
+    shape = (4, 5, 6)
+    for sel in [(slice(1, 3),), slice(2, 9), (Ellipsis, slice(-2, None)),
+                (slice(None), slice(3, 1)), (slice(1, 2), Ellipsis,
+                                             slice(0, 6))]:
+        region = _pack.region_of(sel, shape)
+        x = np.zeros(shape)
+        assert x[sel].shape == tuple(hi - lo for lo, hi in region), sel
+    with pytest.raises(ValueError, match='slices of step 1'):
+        _pack.region_of((slice(None, None, 2),), shape)
+    with pytest.raises(ValueError, match='does not lie inside an array of '
+                       r'shape \(4, 5, 6\)'):
+        _pack.pack(np, np.zeros(shape), [((0, 5), (0, 5), (0, 6))])
+
+
+def test_messages_copy_only_when_needed():
+    x = np.arange(2 * 3 * 4, dtype=np.float32).reshape(2, 3, 4)
+    # A contiguous region (whole samples) is sent as a view: no copy, as
+    # ascontiguousarray did before.
+    m = _pack.message(np, x, _pack.region_of((slice(1, 2),), x.shape))
+    assert np.shares_memory(m, x) and m.flags.c_contiguous
+    assert m.tobytes() == x[1:2].tobytes()
+    # A strided one is packed; a dtype conversion is a copy too.
+    m = _pack.message(np, x, _pack.region_of((slice(None), slice(1, 2)),
+                                             x.shape))
+    assert not np.shares_memory(m, x) and m.tobytes() == \
+        np.ascontiguousarray(x[:, 1:2]).tobytes()
+    m = _pack.message(np, x, dtype=np.float64)
+    assert m.dtype == np.float64 and np.array_equal(m, x)
+    # pack(copy=True), the default, always fills a new buffer.
+    buf, _ = _pack.pack(np, x, [_pack.region_of((Ellipsis,), x.shape)])
+    assert not np.shares_memory(buf, x)
+
+
+def test_alloc_pieces_and_staging_on_numpy():
+    buf, pieces = _pack.alloc(np, [(2, 3), (0, 4), (5,)], np.float32,
+                              zero=True)
+    assert buf.shape == (11,) and not buf.any()
+    assert [p.shape for p in pieces] == [(2, 3), (0, 4), (5,)]
+    pieces[2][...] = 1
+    assert buf[6:].tolist() == [1] * 5  # views, not copies
+    assert _pack.staged(buf, pieces) == pieces  # the pieces themselves
+
+
+def test_copy_box_between_global_coordinates():
+    src = np.arange(2 * 1 * 4 * 4, dtype=np.float64).reshape(2, 1, 4, 4)
+    dst = np.zeros((2, 1, 3, 3))
+    box = ((11, 13), (21, 23))
+    _pack.copy_box(dst, (10, 20), src, (11, 20), box)
+    np.testing.assert_array_equal(dst[..., 1:3, 1:3], src[..., 0:2, 1:3])
+    _pack.copy_box(dst, (10, 20), src, (11, 20), box, accumulate=True)
+    np.testing.assert_array_equal(dst[..., 1:3, 1:3],
+                                  2 * src[..., 0:2, 1:3])
+    _pack.copy_box(dst, (10, 20), src, (11, 20), ((11, 11), (0, 99)))
+    assert dst[..., 0, :].sum() == 0  # an empty box copies nothing
+
+
+def test_the_default_method_is_the_same_on_every_backend():
+    # The CPU tests must run the code a GPU runs: no default by backend.
+    assert _pack._method(None) == 'slice'
+
+
+def test_layouts_are_cached_and_unhashable_boxes_still_work():
+    x = np.arange(2 * 2 * 5 * 4, dtype=np.float32).reshape(2, 2, 5, 4)
+    boxes = [((0, 2), (1, 3)), ((3, 5), (0, 4))]
+    a, _ = _pack.pack_regions(np, x, boxes, (0, 0))
+    hits = _pack._cached_box_layout.cache_info().hits
+    b, _ = _pack.pack_regions(np, x, boxes, (0, 0))
+    assert _pack._cached_box_layout.cache_info().hits == hits + 1
+    c, _ = _pack.pack_regions(np, x, [[list(iv) for iv in bx]
+                                      for bx in boxes], [0, 0])
+    assert a.tobytes() == b.tobytes() == c.tobytes()
+    # A bad box raises every time (errors are not cached).
+    for _ in range(2):
+        with pytest.raises(ValueError, match='does not lie inside'):
+            _pack.pack_regions(np, x, [((0, 6), (0, 1))], (0, 0))

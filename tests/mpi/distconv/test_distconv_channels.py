@@ -247,6 +247,14 @@ def test_bottleneck_with_split_output(gc):
                                        total))
         else:  # c2/b: whole on every process, gradient on its block
             got = sum_over_ranks(grad_or_zero(dp))
+        if path.endswith(('c1/b', 'c3/b')):
+            # A bias followed by a batch normalisation: its true gradient
+            # is zero (BN subtracts the batch mean), so both sides hold
+            # only rounding noise of the sum over the batch, about 1e-5
+            # here.  It must stay at that noise level, not match noise.
+            chk.close('grad of ' + path + ' (noise)', got, sp.grad,
+                      rtol=0, atol=5e-5)
+            continue
         chk.close('grad of ' + path, got, sp.grad)
     chk.done()
 

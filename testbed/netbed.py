@@ -2,8 +2,8 @@
 
 Run (as root)::
 
-    python -m benchmarks.netbed --ranks 2 --rate 400mbit --probe
-    python -m benchmarks.netbed --ranks 2 --rate 400mbit [--delay 0.2ms] \\
+    python -m testbed.netbed --ranks 2 --rate 400mbit --probe
+    python -m testbed.netbed --ranks 2 --rate 400mbit [--delay 0.2ms] \\
         [--timeout 600] [--record bed.json] -- python my_mpi_script.py ARGS
 
 Each rank runs in a Linux network namespace of its own, so MPICH sees
@@ -11,16 +11,17 @@ separate hosts and must use TCP over the namespaces' interfaces: MPICH's
 shared memory is switched off (``MPIR_CVAR_NOLOCAL=1``) and UCX, its
 network layer, is limited to TCP on ``eth0`` (``UCX_TLS=tcp,self``,
 ``UCX_NET_DEVICES=eth0``; without these UCX moves the data through shared
-memory at tens of Gbit/s and the shaped link is never used).  Two ranks are joined
-by a veth pair; more ranks by one veth pair each to a bridge that lives in a
-namespace of its own (a switch).  Every interface that carries rank traffic
-is shaped on egress with ``tc`` (a token bucket, ``tbf``, at the link rate;
-with ``--delay`` a ``netem`` delay in front of it), in both directions, so
-each rank has a full-duplex link of the given rate, as a NIC would.
+memory at tens of Gbit/s and the shaped link is never used).  Two ranks are
+joined by a veth pair; more ranks by one veth pair each to a bridge that
+lives in a namespace of its own (a switch).  Every interface that carries
+rank traffic is shaped on egress with ``tc`` (a token bucket, ``tbf``, at
+the link rate; with ``--delay`` a ``netem`` delay in front of it), in both
+directions, so each rank has a full-duplex link of the given rate, as a NIC
+would.
 
 A kernel without ``netem`` (``sch_netem``; checked once, on the first bed
 that asks for a delay) gets the delay from a relay instead
-(:mod:`benchmarks.netrelay`): each end of a link is then a TAP interface
+(:mod:`testbed.netrelay`): each end of a link is then a TAP interface
 rather than a veth end, and one relay process per bed reads every frame
 from one TAP, holds it for the delay on a monotonic-clock queue and writes
 it into the other, in order, both directions.  The ranks' TCP/IP stacks,
@@ -48,40 +49,41 @@ command is killed (its whole process group) when it outlives ``--timeout``.
 
 The record (``--record`` or :meth:`NetBed.describe`) holds all of this:
 namespaces, addresses, the tc commands and what ``tc qdisc show`` reports,
-the pinning and the environment given to MPI.
+the pinning and the environment given to MPI.  The command line lives in
+:mod:`testbed.cli`, the allreduce probe in :mod:`testbed.probe`.
 """
-import argparse
 import atexit
 import json
 import os
-import re
 import selectors
-import shutil
 import signal
 import subprocess
 import sys
 import time
 
-# Run as a file (not with -m), sys.path starts with benchmarks/ instead of
+# Run as a file (not with -m), sys.path starts with testbed/ instead of
 # the repository root that holds the package: add the root.
 if not __package__:
     sys.path.insert(0, os.path.abspath(os.path.join(__file__, '..', '..')))
 
-from benchmarks import launch  # noqa: E402
-from benchmarks import netrelay  # noqa: E402
 # Link rates ("400mbit") and delays ("0.5ms") are read as everywhere in the
 # library; parse_rate and parse_delay stay importable from here.
-from chainermn_overlap.config import parse_delay  # noqa: E402
+from chainermn_overlap.config import parse_delay  # noqa: E402,F401
 from chainermn_overlap.config import parse_rate  # noqa: E402
+from testbed import netrelay  # noqa: E402
+# require_root stays importable from here for the benchmarks.
+from testbed._system import (  # noqa: E402,F401
+    BLAS_ENV, PREFIX, NetBedError, list_namespaces, remove_stale_namespaces,
+    require_root)
+from testbed._system import run as _run  # noqa: E402
 
-PREFIX = 'cmo'
 SUBNET = '10.213.0'
 # Environment for MPICH to talk TCP between namespaces.  The PyPI MPICH
 # (ch4 with the ucx and ofi netmods) picks UCX; UCX would use shared memory
 # or cross-memory attach between processes of one kernel, and its ofi netmod
 # fails to enable a tcp endpoint here ("ep_enable failed"), so: UCX, TCP
 # transport only, on the namespace's one routable interface.  Ranks run one
-# BLAS thread each (launch.BLAS_ENV): they are pinned to a core each.
+# BLAS thread each (BLAS_ENV): they are pinned to a core each.
 MPI_ENV = dict({
     'MPIR_CVAR_CH4_NETMOD': 'ucx',
     # Ranks are on the same kernel: without this MPICH's own shared-memory
@@ -100,17 +102,13 @@ MPI_ENV = dict({
     'UCX_TCP_TX_SEG_SIZE': '1m',
     'UCX_TCP_RX_SEG_SIZE': '1m',
     'FI_PROVIDER': 'tcp',
-}, **launch.BLAS_ENV)
+}, **BLAS_ENV)
 
 
 DELAY_METHODS = ('netem', 'relay')
 RELAY = os.path.abspath(netrelay.__file__)
 # RTT samples taken when a bed comes up (ICMP echo, rank 0 to rank 1).
 RTT_SAMPLES = 10
-
-
-class NetBedError(RuntimeError):
-    """The test bed could not be set up or a command in it failed."""
 
 
 _NETEM = {}
@@ -146,58 +144,6 @@ def tbf_burst_bytes(rate_bps):
     gives 250 kB, the setting measured at 383 Mbit/s allreduce bandwidth.
     """
     return max(64 * 1024, int(rate_bps / 8 * 0.005))
-
-
-def require_root():
-    """Exits with a plain message when not root, or when ``ip``/``tc`` miss."""
-    if os.geteuid() != 0:
-        sys.stderr.write(
-            'netbed: needs root: it creates network namespaces, veth pairs and '
-            'tc qdiscs. Run it as root (e.g. sudo {} ...).\n'
-            .format(os.path.basename(sys.executable)))
-        sys.exit(2)
-    missing = [t for t in ('ip', 'tc', 'taskset') if shutil.which(t) is None]
-    if missing:
-        sys.stderr.write(
-            'netbed: {} not found. Install them: apt-get update && apt-get '
-            'install -y iproute2 util-linux\n'.format(', '.join(missing)))
-        sys.exit(2)
-
-
-def _run(cmd, check=True):
-    proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                          universal_newlines=True)
-    if check and proc.returncode != 0:
-        raise NetBedError('command failed ({}): {}\n{}'.format(
-            proc.returncode, ' '.join(cmd), proc.stderr.strip()))
-    return proc
-
-
-def _pid_alive(pid):
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def list_namespaces():
-    """Names of the network namespaces on this machine."""
-    out = _run(['ip', 'netns', 'list'], check=False).stdout
-    return [line.split()[0] for line in out.splitlines() if line.strip()]
-
-
-def remove_stale_namespaces():
-    """Removes namespaces of earlier beds whose owning process is gone."""
-    removed = []
-    for ns in list_namespaces():
-        m = re.fullmatch(PREFIX + r'(\d+)(?:r\d+|sw)', ns)
-        if m and not _pid_alive(int(m.group(1))):
-            _run(['ip', 'netns', 'del', ns], check=False)
-            removed.append(ns)
-    return removed
 
 
 class NetBed(object):
@@ -272,7 +218,7 @@ class NetBed(object):
 
     def _install_signal_handlers(self):
         def handler(signum, frame):
-            if self._held_signals is not None:  # see run_mpi
+            if self._held_signals is not None:  # see start_mpi
                 self._held_signals.append(signum)
                 return
             # Turn the signal into an exception so that every ``finally``
@@ -316,7 +262,7 @@ class NetBed(object):
                         'this kernel has no netem qdisc (module sch_netem), '
                         'so the delay cannot come from netem here; let the '
                         'bed choose (delay_method=None, the default: the '
-                        'relay of benchmarks/netrelay.py), or run on a '
+                        'relay of testbed/netrelay.py), or run on a '
                         'kernel with sch_netem') from e
                 raise
             self.tc_commands.append(' '.join(c))
@@ -530,45 +476,68 @@ class NetBed(object):
                      'taskset', '-c', str(core)] + list(cmd)
         return line
 
+    def start_mpi(self, cmd, env=None, mpiexec=None, stdout=None,
+                  stderr=None):
+        """Starts ``cmd`` as one rank per namespace; returns the Popen.
+
+        The job runs in a session of its own: :meth:`stop_mpi` kills the
+        launcher, the proxies and every rank as one group.  Several jobs
+        may run on one bed at once (they share its links and cores).
+
+        Args:
+            cmd (list of str): the program of every rank.
+            env (dict): extra environment (on top of :data:`MPI_ENV`).
+            mpiexec (str): path of MPICH's mpiexec (default: next to
+                ``sys.executable``).
+            stdout, stderr: as for ``subprocess.Popen``.
+        """
+        full_env = dict(os.environ)
+        full_env.update(MPI_ENV)
+        full_env.update(env or {})
+        line = self.mpi_command(cmd, mpiexec)
+        # A signal raised inside Popen, after the fork, would leave the job
+        # running with no one to kill it: the bed's handler holds signals
+        # back until Popen returns (a signal mask would not do: BLAS's
+        # threads would take them, and the job would inherit it).
+        self._held_signals = []
+        try:
+            proc = subprocess.Popen(line, env=full_env, stdout=stdout,
+                                    stderr=stderr, universal_newlines=True,
+                                    start_new_session=True)
+        finally:
+            held, self._held_signals = self._held_signals, None
+        if held:
+            self.stop_mpi(proc)
+            raise KeyboardInterrupt('netbed: signal {}'.format(held[0]))
+        return proc
+
+    @staticmethod
+    def stop_mpi(proc):
+        """Kills a :meth:`start_mpi` job's session; its exit status."""
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.communicate()
+        return proc.returncode
+
     def run_mpi(self, cmd, timeout, env=None, mpiexec=None, capture=True):
         """Runs ``cmd`` as one rank per namespace; returns a result dict.
 
         Args:
-            cmd (list of str): the program of every rank.
+            cmd, env, mpiexec: as for :meth:`start_mpi`.
             timeout (float): seconds; then the whole process group is killed
                 and ``returncode`` is 124.
-            env (dict): extra environment (on top of :data:`MPI_ENV`).
-            mpiexec (str): path of MPICH's mpiexec (default: next to
-                ``sys.executable``).
             capture (bool): capture stdout/stderr (else inherit them).
 
         Returns:
             dict: ``returncode``, ``seconds``, ``stdout``, ``stderr``,
             ``command``.
         """
-        full_env = dict(os.environ)
-        full_env.update(MPI_ENV)
-        full_env.update(env or {})
-        line = self.mpi_command(cmd, mpiexec)
         out = subprocess.PIPE if capture else None
         t0 = time.time()
-        # A session of its own: on a timeout or a signal the launcher, the
-        # proxies and every rank are killed as one group.
-        # A signal raised inside Popen, after the fork, would leave the job
-        # running with no one to kill it (proc never assigned): the bed's
-        # handler holds signals back until the try below, which kills the
-        # group.  (Blocking them with a signal mask would not do: other
-        # threads, BLAS's, would take them, and the job would inherit it.)
-        self._held_signals = []
+        proc = self.start_mpi(cmd, env, mpiexec, stdout=out, stderr=out)
         try:
-            proc = subprocess.Popen(line, env=full_env, stdout=out,
-                                    stderr=out, universal_newlines=True,
-                                    start_new_session=True)
-        finally:
-            held, self._held_signals = self._held_signals, None
-        try:
-            if held:
-                raise KeyboardInterrupt('netbed: signal {}'.format(held[0]))
             stdout, stderr = proc.communicate(timeout=timeout)
             rc = proc.returncode
         except subprocess.TimeoutExpired:
@@ -583,7 +552,8 @@ class NetBed(object):
             proc.wait()
             raise
         return {'returncode': rc, 'seconds': time.time() - t0,
-                'stdout': stdout, 'stderr': stderr, 'command': line}
+                'stdout': stdout, 'stderr': stderr,
+                'command': list(proc.args)}
 
     def describe(self):
         """Everything about the bed, for results files."""
@@ -624,139 +594,6 @@ class NetBed(object):
         }
 
 
-# ----------------------------------------------------------------------------
-# Probe: allreduce bandwidth across the bed (runs inside the namespaces).
-
-def probe_worker(nbytes, repeats):
-    """Measures allreduce time of ``nbytes``; rank 0 prints one JSON line."""
-    import numpy
-    from mpi4py import MPI
-    comm = MPI.COMM_WORLD
-    buf = numpy.ones(nbytes // 4, dtype=numpy.float32)
-    comm.Allreduce(MPI.IN_PLACE, buf[:1024])  # connect
-    times = []
-    for _ in range(repeats):
-        comm.Barrier()
-        t0 = time.perf_counter()
-        comm.Allreduce(MPI.IN_PLACE, buf)
-        times.append(time.perf_counter() - t0)
-    n = comm.Get_size()
-    # The first 1024 elements took part in the connecting allreduce too.
-    ok = bool(numpy.all(buf[1024:] == float(n) ** repeats))
-    addrs = comm.gather(_eth0_address(), root=0)
-    if comm.Get_rank() == 0:
-        best = min(times)
-        print(json.dumps({
-            'probe': 'allreduce', 'bytes': nbytes, 'ranks': n,
-            'seconds': times, 'correct': ok, 'addresses': addrs,
-            # Bytes a rank sends per direction in a ring allreduce.
-            'wire_bytes_per_rank': 2.0 * (n - 1) / n * nbytes,
-            'algbw_bit_per_s': nbytes * 8 / best,
-            'busbw_bit_per_s': 2.0 * (n - 1) / n * nbytes * 8 / best}))
-        sys.stdout.flush()
-
-
-def _eth0_address():
-    try:
-        out = _run(['ip', '-4', '-o', 'addr', 'show', 'dev', 'eth0'],
-                   check=False).stdout
-        m = re.search(r'inet (\S+)/', out)
-        return m.group(1) if m else None
-    except OSError:
-        return None
-
-
-def probe(bed, nbytes=8 * 2 ** 20, repeats=3, timeout=120):
-    """Runs the allreduce probe on ``bed``; returns its JSON record."""
-    res = bed.run_mpi(launch.module_command('benchmarks.netbed',
-                                            '--probe-worker', nbytes,
-                                            repeats),
-                      timeout=timeout, env=launch.worker_env())
-    if res['returncode'] != 0:
-        raise NetBedError('the allreduce probe failed (exit {}):\n{}\n{}'
-                          .format(res['returncode'], res['stdout'][-3000:],
-                                  res['stderr'][-3000:]))
-    lines = [ln for ln in res['stdout'].splitlines()
-             if ln.startswith('{"probe"')]
-    if not lines:
-        raise NetBedError('the probe printed no result:\n' + res['stdout'])
-    return json.loads(lines[-1])
-
-
-def main(argv=None):
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ['--probe-worker']:
-        probe_worker(int(argv[1]), int(argv[2]))
-        return 0
-    cmd = []
-    if '--' in argv:
-        i = argv.index('--')
-        argv, cmd = argv[:i], argv[i + 1:]
-    p = argparse.ArgumentParser(
-        description='Run an MPI program with one rank per network namespace '
-                    'over a tc-shaped link (needs root).')
-    p.add_argument('--ranks', type=int, default=2)
-    p.add_argument('--rate', default='400mbit',
-                   help='link rate per rank and direction (tc tbf)')
-    p.add_argument('--delay', default=None,
-                   help='one-way link delay, e.g. 0.2ms (default: none)')
-    p.add_argument('--delay-method', choices=DELAY_METHODS, default=None,
-                   help='netem, or the relay of benchmarks/netrelay.py '
-                        '(default: netem where the kernel has it)')
-    p.add_argument('--timeout', type=float, default=600,
-                   help='seconds before the MPI job is killed')
-    p.add_argument('--probe', action='store_true',
-                   help='measure allreduce bandwidth instead of running CMD')
-    p.add_argument('--probe-bytes', type=int, default=16 * 2 ** 20)
-    p.add_argument('--record', default=None,
-                   help='write the bed description (and probe) as JSON')
-    args = p.parse_args(argv)
-    if not cmd and not args.probe:
-        p.error('give --probe or a command after --')
-    require_root()
-    try:
-        return _main(args, cmd)
-    except KeyboardInterrupt:
-        sys.stderr.write('netbed: interrupted; its namespaces were removed\n')
-        return 130
-    except NetBedError as e:
-        sys.stderr.write('netbed: {}\n'.format(e))
-        return 1
-
-
-def _main(args, cmd):
-    record = {}
-    with NetBed(args.ranks, args.rate, args.delay,
-                delay_method=args.delay_method) as bed:
-        record['bed'] = bed.describe()
-        print('netbed: {} ranks, {} at {:.0f} Mbit/s{}, RTT {:.3f} ms, '
-              'namespaces {}, pinned to cores {}'.format(
-                  bed.ranks, record['bed']['topology'], bed.rate_bps / 1e6,
-                  ', delay {:g} ms ({})'.format(bed.delay_s * 1e3,
-                                                bed.delay_method)
-                  if bed.delay_s else '', bed.rtt['median_s'] * 1e3,
-                  ' '.join(bed.namespaces), bed.pinning()))
-        if args.probe:
-            pr = probe(bed, args.probe_bytes, timeout=args.timeout)
-            record['probe'] = pr
-            print('netbed: allreduce of {:.1f} MB: {:.0f} Mbit/s (bus '
-                  'bandwidth, configured {:.0f} Mbit/s)'.format(
-                      pr['bytes'] / 1e6, pr['busbw_bit_per_s'] / 1e6,
-                      bed.rate_bps / 1e6))
-            rc = 0
-        else:
-            res = bed.run_mpi(cmd, timeout=args.timeout, capture=False)
-            record['run'] = {k: res[k] for k in ('returncode', 'seconds',
-                                                 'command')}
-            rc = res['returncode']
-    record['relay_stats'] = bed.relay_stats
-    record['namespaces_left'] = [n for n in list_namespaces()
-                                 if n in record['bed']['namespaces']]
-    if args.record:
-        with open(args.record, 'w') as f:
-            json.dump(record, f, indent=2)
-    return rc
-
-
 if __name__ == '__main__':
-    sys.exit(main())
+    from testbed import cli
+    sys.exit(cli.main())

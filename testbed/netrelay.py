@@ -1,6 +1,6 @@
 """A link delay for the network test bed on kernels without ``netem``.
 
-:mod:`benchmarks.netbed` asks ``tc``'s ``netem`` qdisc for a one-way link
+:mod:`testbed.netbed` asks ``tc``'s ``netem`` qdisc for a one-way link
 delay.  Where the kernel has no ``sch_netem`` (and no other qdisc that
 holds packets for a time: no ``fq``/``etf``), the bed instead gives each
 end of a link a TAP interface and joins the two through this relay, a
@@ -23,7 +23,7 @@ host side of a virtual machine's NIC does.
 * It dies with its parent (``PR_SET_PDEATHSIG``), so a bed that is killed
   leaves no relay behind.
 
-Run by :class:`benchmarks.netbed.NetBed`; standard library only::
+Run by :class:`testbed.netbed.NetBed`; standard library only::
 
     python netrelay.py --delay 0.002 --pair NS_A:eth0=NS_B:eth0
     python netrelay.py --ping 10.213.0.2 --count 10   # inside a namespace

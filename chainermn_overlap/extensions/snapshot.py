@@ -38,7 +38,9 @@ intact; skipped ones are reported with a warning saying why; snapshots newer
 than the chosen one are then removed (the run writes them again).  The
 ``keep`` newest complete snapshots are kept, older ones removed.
 
-Resume on a different number of ranks (``launch --min-ranks``): every rank
+Resume on a different number of ranks (fewer after a lost rank or host,
+more when a host comes back: ``launch --min-ranks``, ``--min-hosts``,
+``--host-discovery``): every rank
 loads rank 0's file except the iterators, so model parameters, optimizer
 state (momentum, ``t``), the iteration count, extensions and triggers
 continue; each rank's iterator starts over on its new share of the dataset
@@ -57,14 +59,23 @@ optimizer resumes consistently but not equal to an uninterrupted run: the
 gradients in flight at the snapshot are not saved, and after a load it
 restarts its pipeline (one broadcast step and one step that only posts), as
 after ``setup()``.
+
+Stopping at a snapshot when asked.  Under the launcher
+(``CHAINERMN_OVERLAP_RESTART`` set) the extension takes ``SIGUSR1`` (where
+nothing else has) as a request to stop at the next snapshot: that snapshot
+is written as usual, the ranks agree collectively that one of them was
+asked, the optimizers are synchronized and closed, and every rank ends
+with ``SystemExit(75)`` (the code after ``trainer.run()`` does not run).
+The launcher sends it when ``--host-discovery`` reports other usable hosts,
+and restarts the job on them from that snapshot.
 """
 import errno
-import hashlib
 import json
 import logging
 import os
-import re
-import shutil
+import signal
+import sys
+import threading
 import time
 import warnings
 from typing import Any
@@ -75,118 +86,36 @@ from chainer import serializers
 from chainer.training import extension as extension_module
 from chainer.training import trigger as trigger_module
 
-from chainermn_overlap import _mpi_json
+from chainermn_overlap import config
+from chainermn_overlap.extensions import _store
+from chainermn_overlap.extensions._timed import TimedCollectives
+from chainermn_overlap.extensions._store import (
+    RANK_FILE, random_state_arrays, random_states, set_random_state,
+    write_durably)
 
 __all__ = ['AutoSnapshot', 'SnapshotWarning', 'auto_snapshot',
-           'RESTART_ENV', 'PROGRESS_ENV']
+           'RESTART_ENV', 'PROGRESS_ENV', 'PROGRESS_TAG']
 
 logger = logging.getLogger(__name__)
 
 # Set by chainermn_overlap.launch for every rank of every attempt.
 RESTART_ENV = 'CHAINERMN_OVERLAP_RESTART'
-# A file the launcher reads after each attempt: one JSON line per event
-# ('resumed', 'training', 'snapshot'), written by rank 0.
+# Where rank 0 reports events ('resumed', 'training', 'snapshot',
+# 'stopping') for the launcher, one JSON line each: a file, or '-' for
+# standard output, as a line that starts with PROGRESS_TAG (the launcher
+# reads it from mpiexec's output on whichever host rank 0 runs, and does
+# not show it).
 PROGRESS_ENV = 'CHAINERMN_OVERLAP_PROGRESS_FILE'
+PROGRESS_TAG = 'chainermn_overlap.progress: '
+# Exit status of every rank after a stop at a snapshot that was asked for.
+STOP_EXIT = 75
 
-_FOLDER = 'snapshot_iter_{:08d}'
-_FOLDER_RE = re.compile(r'^snapshot_iter_(\d{8,})$')
-_MANIFEST = 'manifest.json'
-_RANK_FILE = 'rank{}.npz'
-_TMP_MARK = '.tmp.'
 _EXTRA = 'auto_snapshot/'
 _ITERATOR_PREFIX = 'updater/iterator:'
 
 
 class SnapshotWarning(UserWarning):
     """A snapshot was skipped (incomplete or corrupt) or could not be used."""
-
-
-# ----------------------------------------------------------------------------
-# Durable files
-
-def _fsync_dir(path):
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _sha256(path, chunk=1 << 20):
-    h = hashlib.sha256()
-    n = 0
-    with open(path, 'rb') as f:
-        while True:
-            b = f.read(chunk)
-            if not b:
-                break
-            h.update(b)
-            n += len(b)
-    return h.hexdigest(), n
-
-
-def _write_durably(path, write, before_rename=None):
-    """Writes ``path`` through a temporary file in the same folder.
-
-    ``write(f)`` fills the open binary file; then it is flushed, fsync'ed,
-    renamed over ``path`` and the folder fsync'ed, so that after a crash
-    ``path`` is either absent, its old content, or complete.  The temporary
-    file is removed on error.
-    """
-    folder = os.path.dirname(path) or '.'
-    tmp = '{}{}{}'.format(path, _TMP_MARK, os.getpid())
-    try:
-        with open(tmp, 'wb') as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        if before_rename is not None:
-            before_rename()
-        os.replace(tmp, path)
-        _fsync_dir(folder)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
-
-
-# ----------------------------------------------------------------------------
-# Random states that Chainer's serialization leaves out
-
-def _random_state_arrays(rs):
-    name, keys, pos, has_gauss, gauss = rs.get_state()
-    assert name == 'MT19937'
-    return {'keys': numpy.asarray(keys, dtype=numpy.uint32),
-            'misc': numpy.array([pos, has_gauss], dtype=numpy.int64),
-            'gauss': numpy.array([gauss], dtype=numpy.float64)}
-
-
-def _set_random_state(rs, arrays):
-    pos, has_gauss = (int(v) for v in arrays['misc'])
-    rs.set_state(('MT19937', numpy.asarray(arrays['keys'], numpy.uint32),
-                  pos, has_gauss, float(arrays['gauss'][0])))
-
-
-def _own_samplers(trainer):
-    """Iterators' order samplers with a RandomState of their own."""
-    global_rs = numpy.random.random.__self__
-    out = {}
-    iterators = getattr(trainer.updater, '_iterators', {}) or {}
-    for name, it in sorted(iterators.items()):
-        sampler = getattr(it, 'order_sampler', None)
-        rs = getattr(sampler, '_random', None)
-        if isinstance(rs, numpy.random.RandomState) and rs is not global_rs:
-            out[name] = rs
-    return out
-
-
-def _random_states(trainer):
-    states = {'numpy_global': numpy.random.random.__self__}
-    for name, rs in _own_samplers(trainer).items():
-        states['iterator:' + name] = rs
-    return states
 
 
 # ----------------------------------------------------------------------------
@@ -202,7 +131,7 @@ class AutoSnapshot(extension_module.Extension):
     name = 'AutoSnapshot'
 
     def __init__(self, comm: Any, directory: str, trigger=(1000, 'iteration'),
-                 keep: int = 2) -> None:
+                 keep: int = 2, timeout=None) -> None:
         if not isinstance(keep, int) or isinstance(keep, bool) or keep < 1:
             raise ValueError(
                 'auto_snapshot: keep must be an integer >= 1 (how many '
@@ -216,12 +145,22 @@ class AutoSnapshot(extension_module.Extension):
         self.mpi_comm = getattr(comm, 'mpi_comm', comm)
         self.rank = self.mpi_comm.Get_rank()
         self.size = self.mpi_comm.Get_size()
+        # The optimizer's watchdog limit for the snapshot's collectives.
+        self.coll = TimedCollectives(self.mpi_comm,
+                                     config.resolve_timeout(timeout))
         self.directory = os.path.abspath(directory)
         self.keep = keep
+        self.store = _store.SnapshotStore(self.directory, keep)
         self.trigger = _SnapshotTrigger(trigger_module.get_trigger(trigger))
         self.resumed_from = None    # iteration loaded in initialize, if any
         self.restart = int(os.environ.get(RESTART_ENV, '0') or 0)
         self._progress_path = os.environ.get(PROGRESS_ENV) or None
+        # Under the launcher (the same on every rank): a stop at the next
+        # snapshot may be asked for with SIGUSR1.
+        self.stoppable = RESTART_ENV in os.environ
+        self.stop_requested = False
+        if self.stoppable:
+            self._take_stop_signal()
 
     # -- resume -----------------------------------------------------------
 
@@ -229,14 +168,17 @@ class AutoSnapshot(extension_module.Extension):
         """Resumes every rank from the newest snapshot all ranks accept."""
         if self.rank == 0:
             os.makedirs(self.directory, exist_ok=True)
-        self._barrier()
-        listed = self._listing() if self.rank == 0 else None
-        candidates = _mpi_json.bcast_json(self.mpi_comm, listed)
+        self._barrier('the start of the resume')
+        listed = self.store.listing() if self.rank == 0 else None
+        candidates = self.coll.bcast_json(
+            listed, "rank 0's list of snapshots")
         chosen = None
         skipped = []
         for it in sorted(candidates, reverse=True):
-            ok, why = self._check(it)
-            verdicts = _mpi_json.allgather_json(self.mpi_comm, [ok, why])
+            ok, why = self.store.check(it, self._source_rank)
+            verdicts = self.coll.allgather_json(
+                [ok, why], "every rank's check of the snapshot of iteration "
+                '{}'.format(it))
             bad = [(r, w) for r, (o, w) in enumerate(verdicts) if not o]
             if not bad:
                 chosen = it
@@ -249,23 +191,25 @@ class AutoSnapshot(extension_module.Extension):
                     .format(it, self.directory, '; '.join(
                         'rank {}: {}'.format(r, w) for r, w in bad)))
         if self.rank == 0:
-            self._remove_newer_than(chosen)
-            self._remove_temporaries()
-        self._barrier()
+            self.store.remove_newer_than(chosen)
+            self.store.remove_temporaries()
+        self._barrier('the clean-up before the resume')
         if chosen is None:
             if skipped:
                 self._warn('auto_snapshot: no intact snapshot in {}; '
                            'training starts from the beginning.'.format(
                                self.directory))
             self.trigger.announce = self.restart > 0
-            self._event('resumed', iteration=None)
+            self._event('resumed', iteration=None, resize=self.stoppable)
             return
         ok, why = True, ''
         try:
             self._load(trainer, chosen)
         except Exception as e:  # reported on every rank below
             ok, why = False, '{}: {}'.format(type(e).__name__, e)
-        verdicts = _mpi_json.allgather_json(self.mpi_comm, [ok, why])
+        verdicts = self.coll.allgather_json(
+            [ok, why], "every rank's load of the snapshot of iteration "
+            '{}'.format(chosen))
         bad = [(r, w) for r, (o, w) in enumerate(verdicts) if not o]
         if bad:
             raise RuntimeError(
@@ -281,60 +225,16 @@ class AutoSnapshot(extension_module.Extension):
         self.trigger.announce = True
         logger.info('rank %d: resumed from the snapshot of iteration %d in '
                     '%s', self.rank, chosen, self.directory)
-        self._event('resumed', iteration=chosen)
-
-    def _listing(self):
-        out = []
-        for entry in os.listdir(self.directory):
-            m = _FOLDER_RE.match(entry)
-            if m and os.path.isdir(os.path.join(self.directory, entry)):
-                out.append(int(m.group(1)))
-        return sorted(out)
-
-    def _folder(self, iteration):
-        return os.path.join(self.directory, _FOLDER.format(iteration))
-
-    def _read_manifest(self, iteration):
-        path = os.path.join(self._folder(iteration), _MANIFEST)
-        with open(path, 'rb') as f:
-            manifest = json.loads(f.read().decode('utf-8'))
-        if (manifest.get('iteration') != iteration
-                or not isinstance(manifest.get('files'), list)
-                or len(manifest['files']) != manifest.get('size')):
-            raise ValueError('inconsistent manifest')
-        return manifest
+        self._event('resumed', iteration=chosen, resize=self.stoppable)
 
     def _source_rank(self, manifest):
         return self.rank if manifest['size'] == self.size else 0
 
-    def _check(self, iteration):
-        """(ok, why) for the file this rank would load from ``iteration``."""
-        try:
-            manifest = self._read_manifest(iteration)
-        except FileNotFoundError:
-            return False, 'incomplete (no manifest: a rank ended while ' \
-                'writing it)'
-        except (OSError, ValueError, UnicodeDecodeError) as e:
-            return False, 'unreadable manifest ({})'.format(e)
-        src = self._source_rank(manifest)
-        entry = manifest['files'][src]
-        path = os.path.join(self._folder(iteration), entry['name'])
-        try:
-            digest, n = _sha256(path)
-        except OSError as e:
-            return False, 'cannot read {} ({})'.format(entry['name'], e)
-        if n != entry['bytes'] or digest != entry['sha256']:
-            return False, ('corrupt: {} has {} bytes and sha256 {}..., the '
-                           'manifest says {} bytes and {}...'.format(
-                               entry['name'], n, digest[:12], entry['bytes'],
-                               entry['sha256'][:12]))
-        return True, ''
-
     def _load(self, trainer, iteration):
-        manifest = self._read_manifest(iteration)
+        manifest = self.store.read_manifest(iteration)
         src = self._source_rank(manifest)
         same_size = manifest['size'] == self.size
-        path = os.path.join(self._folder(iteration),
+        path = os.path.join(self.store.folder(iteration),
                             manifest['files'][src]['name'])
         with numpy.load(path, allow_pickle=False) as npz:
             data = {k: npz[k] for k in npz.files}
@@ -355,10 +255,10 @@ class AutoSnapshot(extension_module.Extension):
             data, strict=True, ignore_names=ignore)
         trainer.serialize(deserializer)
         if same_size:
-            for key, rs in _random_states(trainer).items():
+            for key, rs in random_states(trainer).items():
                 prefix = '{}random/{}/'.format(_EXTRA, key)
                 if prefix + 'keys' in data:
-                    _set_random_state(rs, {
+                    set_random_state(rs, {
                         k: data[prefix + k] for k in ('keys', 'misc',
                                                       'gauss')})
         for opt in trainer.updater.get_all_optimizers().values():
@@ -380,58 +280,86 @@ class AutoSnapshot(extension_module.Extension):
     def write(self, trainer) -> None:
         """Writes the snapshot of the current iteration (collective)."""
         iteration = int(trainer.updater.iteration)
-        folder = self._folder(iteration)
+        folder = self.store.folder(iteration)
         # A snapshot of this iteration left by an earlier attempt (corrupt,
         # or partial) must not mix with the new files.
         if self.rank == 0 and os.path.exists(folder):
-            self._remove(iteration)
-        self._barrier()
+            self.store.remove(iteration)
+        self._barrier('the start of the snapshot of iteration {}'
+                      .format(iteration))
         data = {}
         trainer.serialize(serializers.DictionarySerializer(data))
-        for key, rs in _random_states(trainer).items():
-            for k, v in _random_state_arrays(rs).items():
+        for key, rs in random_states(trainer).items():
+            for k, v in random_state_arrays(rs).items():
                 data['{}random/{}/{}'.format(_EXTRA, key, k)] = v
         data[_EXTRA + 'size'] = numpy.array(self.size)
         data[_EXTRA + 'rank'] = numpy.array(self.rank)
-        name = _RANK_FILE.format(self.rank)
+        name = RANK_FILE.format(self.rank)
         path = os.path.join(folder, name)
         result = {'ok': True}
         try:
             os.makedirs(folder, exist_ok=True)
-            _write_durably(path, lambda f: numpy.savez(f, **data),
-                           before_rename=lambda: self._fault_point(
-                               'rank_file_written', iteration))
-            digest, n = _sha256(path)
+            write_durably(path, lambda f: numpy.savez(f, **data),
+                          before_rename=lambda: self._fault_point(
+                              'rank_file_written', iteration))
+            digest, n = _store.sha256(path)
             result.update(name=name, sha256=digest, bytes=n)
         except OSError as e:
             result = {'ok': False, 'error': '{}: {}'.format(
                 type(e).__name__, e), 'enospc': e.errno == errno.ENOSPC}
-        results = _mpi_json.allgather_json(self.mpi_comm, result)
+        results = self.coll.allgather_json(
+            result, "every rank's file of the snapshot of iteration {}"
+            .format(iteration))
         # The same on every rank: whether rank 0 writes the manifest.
         if all(r['ok'] for r in results):
             if self.rank == 0:
-                results[0] = self._write_manifest(iteration, folder, results)
+                results[0] = self._write_manifest(iteration, results)
             # Rank 0's verdict on the manifest, to every rank.
-            results[0] = _mpi_json.bcast_json(self.mpi_comm, results[0])
+            results[0] = self.coll.bcast_json(
+                results[0], "rank 0's manifest of the snapshot of iteration "
+                '{}'.format(iteration))
         if not all(r['ok'] for r in results):
             self._fail(iteration, results)
         if self.rank == 0:
-            self._prune()
+            self.store.prune()
             self._event('snapshot', iteration=iteration)
         logger.debug('rank %d: snapshot of iteration %d written', self.rank,
                      iteration)
+        if self.stoppable:
+            self._stop_if_asked(trainer, iteration)
 
-    def _write_manifest(self, iteration, folder, results):
+    # -- stop when asked ------------------------------------------------------
+
+    def _take_stop_signal(self):
+        if threading.current_thread() is not threading.main_thread():
+            return
+        if signal.getsignal(signal.SIGUSR1) not in (signal.SIG_DFL, None):
+            return   # the program's own handler stays
+
+        def handler(signum, frame):
+            self.stop_requested = True
+        signal.signal(signal.SIGUSR1, handler)
+
+    def _stop_if_asked(self, trainer, iteration):
+        # Collective: the signal reaches the ranks at different moments.
+        asked = self.coll.allgather_json(
+            self.stop_requested, 'the agreement to stop at the snapshot of '
+            'iteration {}'.format(iteration))
+        if not any(asked):
+            return
+        logger.info('rank %d: stopping at the snapshot of iteration %d, as '
+                    'asked', self.rank, iteration)
+        self._event('stopping', iteration=iteration)
+        for opt in trainer.updater.get_all_optimizers().values():
+            for name in ('synchronize', 'close'):
+                if callable(getattr(opt, name, None)):
+                    getattr(opt, name)()
+        raise SystemExit(STOP_EXIT)
+
+    def _write_manifest(self, iteration, results):
         self._fault_point('files_written', iteration)
-        manifest = {'iteration': iteration, 'size': self.size,
-                    'time': time.time(),
-                    'files': [{k: r[k] for k in ('name', 'sha256', 'bytes')}
-                              for r in results]}
         try:
-            _write_durably(
-                os.path.join(folder, _MANIFEST),
-                lambda f: f.write(json.dumps(manifest, indent=1)
-                                  .encode('utf-8')))
+            self.store.write_manifest(iteration, self.size, results)
         except OSError as e:
             return {'ok': False, 'error': '{}: {} (writing the manifest)'
                     .format(type(e).__name__, e),
@@ -440,17 +368,19 @@ class AutoSnapshot(extension_module.Extension):
 
     def _fail(self, iteration, results):
         try:
-            os.unlink(os.path.join(self._folder(iteration),
-                                   _RANK_FILE.format(self.rank)))
+            os.unlink(os.path.join(self.store.folder(iteration),
+                                   RANK_FILE.format(self.rank)))
         except OSError:
             pass
-        self._barrier()
+        self._barrier('the clean-up of the failed snapshot of iteration '
+                      '{}'.format(iteration))
         if self.rank == 0:
             try:
-                self._remove(iteration)
+                self.store.remove(iteration)
             except OSError:
                 pass
-        previous = [it for it in self._complete_listing() if it < iteration]
+        previous = [it for it in self.store.complete_listing()
+                    if it < iteration]
         kept = ('the previous snapshot (iteration {}) is intact and a '
                 'restart resumes from it'.format(previous[-1]) if previous
                 else 'there is no earlier snapshot')
@@ -470,56 +400,10 @@ class AutoSnapshot(extension_module.Extension):
     def _fault_point(self, stage, iteration):
         """Does nothing; tests replace it to end a rank mid-snapshot."""
 
-    # -- housekeeping (rank 0) ---------------------------------------------
-
-    def _complete_listing(self):
-        try:
-            return [it for it in self._listing() if os.path.exists(
-                os.path.join(self._folder(it), _MANIFEST))]
-        except OSError:
-            return []
-
-    def _remove(self, iteration):
-        folder = self._folder(iteration)
-        # The manifest first: a half-removed snapshot must look incomplete.
-        try:
-            os.unlink(os.path.join(folder, _MANIFEST))
-            _fsync_dir(folder)
-        except FileNotFoundError:
-            pass
-        shutil.rmtree(folder, ignore_errors=True)
-
-    def _prune(self):
-        complete = self._complete_listing()
-        if len(complete) <= self.keep:
-            oldest_kept = complete[0] if complete else None
-        else:
-            oldest_kept = complete[-self.keep]
-        if oldest_kept is None:
-            return
-        for it in self._listing():
-            if it < oldest_kept:
-                self._remove(it)
-
-    def _remove_newer_than(self, chosen):
-        for it in self._listing():
-            if chosen is None or it > chosen:
-                self._remove(it)
-
-    def _remove_temporaries(self):
-        for it in self._listing():
-            folder = self._folder(it)
-            for entry in os.listdir(folder):
-                if _TMP_MARK in entry:
-                    try:
-                        os.unlink(os.path.join(folder, entry))
-                    except OSError:
-                        pass
-
     # -- helpers -------------------------------------------------------------
 
-    def _barrier(self):
-        self.mpi_comm.Barrier()
+    def _barrier(self, what):
+        self.coll.barrier(what)
 
     def _warn(self, message):
         warnings.warn(message, SnapshotWarning, stacklevel=2)
@@ -529,6 +413,12 @@ class AutoSnapshot(extension_module.Extension):
             return
         line = json.dumps(dict(fields, event=event, attempt=self.restart,
                                size=self.size, time=time.time()))
+        if self._progress_path == '-':
+            # One write of the whole line, flushed: the process manager
+            # must not splice it with another rank's output.
+            sys.stdout.write('{}{}\n'.format(PROGRESS_TAG, line))
+            sys.stdout.flush()
+            return
         try:
             with open(self._progress_path, 'a') as f:
                 f.write(line + '\n')
@@ -583,7 +473,7 @@ def _mark_resumed(opt):
 
 
 def auto_snapshot(comm: Any, directory: str, trigger=(1000, 'iteration'),
-                  keep: int = 2) -> AutoSnapshot:
+                  keep: int = 2, timeout=None) -> AutoSnapshot:
     """A Trainer extension: durable snapshots and automatic exact resume.
 
     Every ``trigger`` (an interval such as ``(500, 'iteration')``), all
@@ -601,8 +491,13 @@ def auto_snapshot(comm: Any, directory: str, trigger=(1000, 'iteration'),
         trigger: when to write (anything ``chainer.training.get_trigger``
             accepts).
         keep (int): complete snapshots to keep (>= 1).
+        timeout: seconds any rank waits in one of the snapshot's
+            collectives before it raises ``CommunicationTimeout`` (a peer's
+            host or link gone); None: ``CHAINERMN_OVERLAP_TIMEOUT``, else
+            600 s; 0 waits without a limit.  Give the optimizer's.
 
     Returns:
         AutoSnapshot: the extension; add it with ``trainer.extend``.
     """
-    return AutoSnapshot(comm, directory, trigger=trigger, keep=keep)
+    return AutoSnapshot(comm, directory, trigger=trigger, keep=keep,
+                        timeout=timeout)

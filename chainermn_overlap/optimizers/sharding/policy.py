@@ -1,0 +1,391 @@
+"""Sharded updates: reduce-scatter, update the shard, allgather.
+
+The sharded counterpart of :mod:`chainermn_overlap.optimizers._policy`,
+with the same interface to the optimizer's wiring.  Each bucket of an
+iteration is two items of the engine's round::
+
+    backward (bucket final)  -> A: Reduce_scatter the bucket into this
+                                   rank's piece of the mean; the bucket's
+                                   full buffer is released
+    update() (iteration closed) -> B: run the update rules on the piece
+                                   (:mod:`.rules`), then Allgatherv the
+                                   updated parameters into every rank
+
+Both run on the communication thread, in an order every rank agrees on
+(the engine's round: item ``1 + b`` is A of bucket ``b``, item
+``1 + n + b`` its B; B's priority is just below its A's, so a bucket is
+reduced before it is updated and the first layers' parameters, which the
+next forward needs first, are gathered first with ``wait='forward'``).
+With ``wait='forward'`` a link's forward waits for its bucket's B; with
+``wait='update'``, ``update()`` waits for every B.
+"""
+import numpy
+
+import chainer
+
+from chainermn_overlap.optimizers.sharding import collectives
+from chainermn_overlap.optimizers.sharding import layout as shard_layout
+from chainermn_overlap.optimizers.sharding import rules
+from chainermn_overlap.optimizers.sharding import state as sharding_state
+
+__all__ = ['ReduceScatterMean', 'ShardedPolicy']
+
+_EMPTY = numpy.empty(0, dtype=numpy.float32)
+# Buckets whose full buffer may wait for its reduce-scatter while backward
+# fills the next: what bounds the gradients a rank holds during backward
+# when the link is slower than the compute.
+IN_FLIGHT = 2
+
+
+def _xp(bucket):
+    return chainer.backend.get_array_module(bucket.params[0].array)
+
+
+def _mpi_wait(engine):
+    return getattr(engine, 'mpi_wait', 'poll')
+
+
+class ReduceScatterMean(object):
+    """Item A of a bucket: this rank's piece of the mean (a BucketOperation).
+
+    The piece goes to ``bucket.shard_grad`` (the parameters' dtype); the
+    bucket's full buffer is released as soon as it is reduced.
+    """
+
+    def __init__(self, rank):
+        self.rank = rank
+
+    def start(self, engine, bucket, label, slot, priority):
+        mpi_wait = _mpi_wait(engine)
+        a, b = bucket.bounds[self.rank]
+
+        def reduce_scatter(comm, _):
+            xp = _xp(bucket)
+            out = xp.empty(b - a, dtype=bucket.param_dtype)
+            collectives.reduce_scatter_mean(comm, bucket.buffer, out,
+                                            bucket.bounds, mpi_wait)
+            bucket.shard_grad = out
+            bucket.buffer = None
+        return engine.run(reduce_scatter, _EMPTY, label=label, slot=slot,
+                          priority=priority, stage=False,
+                          nbytes=bucket.nbytes)
+
+    def finish(self, bucket, size):
+        pass   # the mean is taken on the communication thread
+
+    def step_done(self):
+        pass
+
+
+class _Piece(object):
+    """The part ``lo:hi`` of a parameter this rank owns, at ``at``."""
+
+    __slots__ = ('info', 'lo', 'hi', 'at', 'proxy')
+
+    def __init__(self, info, lo, hi, at):
+        self.info = info
+        self.lo = lo
+        self.hi = hi
+        self.at = at
+        self.proxy = rules.make_proxy(info.param)
+
+    def prepare(self, bucket, values=None):
+        """Points the proxy at the parameter's slice and its gradient.
+
+        ``values``: this rank's piece of the bucket's parameters, where the
+        parameters are not whole (``shard='parameters'``).
+        """
+        param, proxy = self.info.param, self.proxy
+        if values is None:
+            proxy.array = param.array.reshape(-1)[self.lo:self.hi]
+        else:
+            proxy.array = values[self.at:self.at + self.hi - self.lo]
+        if bucket.shard_grad is not None:
+            proxy.grad = bucket.shard_grad[self.at:self.at + self.hi
+                                           - self.lo]
+        proxy._loss_scale = param._loss_scale
+        return proxy
+
+
+class ShardedPolicy(object):
+    """Runs the update rules on the shards; see the module docstring.
+
+    Args:
+        actual (chainer.Optimizer): the wrapped optimizer.
+        wait (str): ``'forward'`` or ``'update'``.
+        reducer (BucketReducer): its engine runs the items; its statistics
+            count them.
+        timeline: the optimizer's timeline.
+        rank (int): this rank.
+        unit (str): ``'element'`` or ``'parameter'`` (:mod:`.layout`).
+        release_grads (bool): drop ``param.grad`` when an iteration closes
+            (``shard='gradients'``: no full gradient is kept).
+        mpi_comm: the communicator's ``mpi_comm`` (the small allreduce of
+            a gradient norm).
+        iteration (callable): the optimizer's iteration (the round key).
+    """
+
+    def __init__(self, actual, wait, reducer, timeline, rank, unit,
+                 release_grads, mpi_comm, iteration):
+        self.actual = actual
+        self.wait = wait
+        self.reducer = reducer
+        self.timeline = timeline
+        self.rank = rank
+        self.unit = unit
+        self.release_grads = release_grads
+        self.mpi_comm = mpi_comm
+        self.iteration = iteration
+        self.infos = []
+        self.buckets = []
+        self.pieces = {}
+        self.by_bucket = {}
+        self.pending_count = 0
+        self._checked = None
+        # Whether the update rules' states are cut for this layout (see
+        # sharding.state): not until the first update under it.
+        self.states_sharded = False
+
+    # ------------------------------------------------------------------
+    # Layout
+
+    def set_layout(self, infos):
+        self.infos = infos
+        self.by_bucket = {}
+        buckets = {}
+        for info in infos:
+            self.by_bucket.setdefault(info.bucket.index, []).append(info)
+            buckets[info.bucket.index] = info.bucket
+        self.buckets = [buckets[i] for i in sorted(buckets)]
+        self.pieces = {}
+        for bucket in self.buckets:
+            bucket.bounds = shard_layout.bounds_from_counts(
+                bucket.shard_counts)
+            start, stop = bucket.bounds[self.rank]
+            pieces = []
+            for info, (_, off, size) in zip(
+                    self.by_bucket[bucket.index], bucket.plan.entries):
+                lo, hi, at = shard_layout.owned_range(off, size, start, stop)
+                pieces.append(_Piece(info, lo, hi, at))
+            self.pieces[bucket.index] = pieces
+        self.pending_count = 0
+        self._checked = None
+
+    def cut_states(self):
+        """Each rule's state becomes its slice's (created if missing)."""
+        rules.init_states([(p.info.param, p.prepare(b, self._values(b)),
+                            p.lo, p.hi)
+                           for b in self.buckets
+                           for p in self.pieces[b.index]])
+        self.states_sharded = True
+
+    def _values(self, bucket):
+        """This rank's piece of ``bucket``'s parameters if they are not
+        whole, else None."""
+        return None
+
+    def close(self):
+        """The optimizer is closed."""
+
+    def before_relayout(self):
+        """Gathers the states whole: the new layout cuts them anew."""
+        sharding_state.consolidate(self)
+
+    def serialize(self, actual, serializer):
+        """The actual optimizer's ``serialize`` with whole states.
+
+        Saving gathers them (collective), loading reads them whole; either
+        way each rank then keeps its slices only.
+        """
+        if isinstance(serializer, chainer.serializer.Deserializer):
+            sharding_state.forget_arrays(self)
+            actual.serialize(serializer)
+        else:
+            sharding_state.consolidate(self)
+            actual.serialize(serializer)
+        if self.buckets:
+            self.cut_states()
+
+    def throttle(self):
+        """Before a bucket's buffer is filled: at most ``IN_FLIGHT``
+        earlier buckets may still wait for their reduce-scatter."""
+        waiting = [b for b in self.buckets
+                   if b.buffer is not None and b.handle is not None
+                   and not b.handle.done()]
+        while len(waiting) >= IN_FLIGHT:
+            self.reducer.wait_bucket(waiting.pop(0))
+
+    def _check(self):
+        key = (tuple(map(id, self.actual._hookable._pre_update_hooks
+                         .values())),
+               tuple(map(id, self.actual._hookable._post_update_hooks
+                         .values())))
+        if key != self._checked:
+            rules.check_optimizer(self.actual,
+                                  [i.param for i in self.infos], self.unit,
+                                  self.rank)
+            self._checked = key
+
+    # ------------------------------------------------------------------
+    # Closing an iteration
+
+    def finish_iteration(self, target, immediate=()):
+        """Every bucket's A is posted: post the updates (B) of all."""
+        self._check()
+        actual = self.actual
+        params = [i.param for i in self.infos]
+        # States first: the snapshot's rule copies share them.
+        self.cut_states()
+        snap = rules.Snapshot(actual, params)
+        actual.t += 1
+        in_layout = {id(p) for p in params}
+        for p in target.params():
+            if id(p) not in in_layout and p.array is None:
+                p.update()
+        if self.release_grads:
+            for p in params:
+                p.grad = None
+        if snap.global_pre:
+            self._run_pre_hooks(snap)
+        self._post_updates(snap)
+        for param in immediate:
+            # Reduced within their group and never sharded (distconv's
+            # channel blocks): updated whole, now.
+            shadow = param.update_rule
+            for hook in snap.pre:
+                hook(shadow, param)
+            param.update()
+            for hook in snap.post:
+                hook(shadow, param)
+        if self.wait == 'update':
+            self.apply(self.infos)
+        else:
+            for info in self.infos:
+                info.pending = True
+            self.pending_count = len(self.infos)
+
+    def complete_in_update(self):
+        """``update()`` of a rebuilt layout: post and wait for every B."""
+        wait, self.wait = self.wait, 'update'
+        try:
+            self.finish_iteration(self.actual.target)
+        finally:
+            self.wait = wait
+
+    def abandon_round(self):
+        """The iteration's step is dropped (a relayout): still post every
+        bucket's B, as a no-op, so that the engine's round completes."""
+        self._post_updates(None)
+        for bucket in self.buckets:
+            self._wait(bucket)
+
+    def _run_pre_hooks(self, snap):
+        """Pre-update hooks on the main thread, once every shard is in
+        (a hook needs all gradients: GradientClipping)."""
+        for bucket in self.buckets:
+            self.reducer.wait_bucket(bucket)
+        pairs = []
+        for bucket in self.buckets:
+            for piece in self.pieces[bucket.index]:
+                shadow = snap.rules.get(id(piece.info.param))
+                if shadow is not None:
+                    pairs.append((shadow, piece.prepare(
+                        bucket, self._values(bucket))))
+        for hook in snap.pre:
+            if isinstance(hook, rules.GLOBAL_HOOKS):
+                self._clip(hook, [proxy for _, proxy in pairs])
+            else:
+                for shadow, proxy in pairs:
+                    hook(shadow, proxy)
+        snap.pre_done = True
+
+    def _clip(self, hook, proxies):
+        """``GradientClipping`` with the norm of the whole gradient."""
+        from mpi4py import MPI
+        local = numpy.zeros(1, dtype=numpy.float64)
+        for proxy in proxies:
+            g = proxy.grad.ravel()
+            local += float(g.dot(g))
+        self.mpi_comm.Allreduce(MPI.IN_PLACE, local, op=MPI.SUM)
+        if not proxies:
+            return
+        dtype = proxies[0].grad.dtype
+        rate = dtype.type(hook.threshold) / numpy.sqrt(dtype.type(local[0]))
+        if rate >= 1:
+            return
+        for proxy in proxies:
+            proxy.grad *= rate
+
+    def _post_updates(self, snap, offset=0):
+        reducer = self.reducer
+        engine = reducer.engine
+        n = len(reducer.buckets)
+        first = reducer.first_item + offset
+        iteration = self.iteration()
+        for bucket in self.buckets:
+            prio = bucket.index if self.wait == 'forward' else -bucket.index
+            bucket.update_handle = engine.run(
+                self._update_fn(bucket, snap, _mpi_wait(engine)), _EMPTY,
+                label='update and allgather of {} of iteration {}'.format(
+                    bucket.label(), iteration),
+                slot=(iteration, first + n + bucket.index,
+                      reducer.round_items),
+                priority=prio - 0.5, stage=False,
+                nbytes=bucket.plan.nelems * bucket.param_dtype.itemsize)
+
+    def _update_fn(self, bucket, snap, mpi_wait):
+        pieces = self.pieces[bucket.index]
+
+        def update_and_allgather(comm, _):
+            if snap is None:
+                bucket.shard_grad = None
+                for piece in pieces:
+                    piece.proxy.grad = None
+                return
+            xp = _xp(bucket)
+            out = xp.empty(bucket.plan.nelems, dtype=bucket.param_dtype)
+            start = bucket.bounds[self.rank][0]
+            for piece in pieces:
+                proxy = piece.prepare(bucket)
+                snap.update(piece.info.param, proxy)
+                a = start + piece.at
+                out[a:a + piece.hi - piece.lo] = proxy.array
+                # The reduced shard is consumed: nothing may keep it.
+                proxy.grad = None
+            bucket.shard_grad = None
+            collectives.allgather(comm, out, bucket.bounds, mpi_wait)
+            for piece, (_, off, size) in zip(pieces, bucket.plan.entries):
+                param = piece.info.param
+                param.array[...] = out[off:off + size].reshape(param.shape)
+        return update_and_allgather
+
+    # ------------------------------------------------------------------
+    # Waiting
+
+    def _wait(self, bucket):
+        handle = getattr(bucket, 'update_handle', None)
+        if handle is None:
+            return
+        self.reducer.wait_bucket(bucket)
+        self.reducer.wait_handle(handle)
+        bucket.update_handle = None
+        bucket.handle = None
+
+    def apply(self, infos):
+        """Waits until the parameters of ``infos`` hold their update."""
+        done = set()
+        for info in infos:
+            b = info.bucket
+            if b.index in done or getattr(b, 'update_handle', None) is None:
+                continue
+            done.add(b.index)
+            self._wait(b)
+            for i in self.by_bucket[b.index]:
+                if i.pending:
+                    i.pending = False
+                    self.pending_count -= 1
+
+    def flush_bucket(self, bucket):
+        """Finishes a bucket of an earlier iteration before its reuse."""
+        self.apply(self.by_bucket.get(bucket.index, ()))
+        self._wait(bucket)

@@ -1,0 +1,258 @@
+"""Running the actual optimizer's update rules on a rank's shard.
+
+A sharded optimizer updates, on each rank, only the elements the rank owns
+(:mod:`.layout`): for every parameter the slice ``lo:hi`` of its flattened
+array.  The update rule runs on a *proxy* parameter whose array is a view
+of that slice and whose gradient is the matching slice of the reduced
+shard, with the rule's state sized for the slice.  For element-wise rules
+and hooks (SGD, MomentumSGD, Adam and the other built-in rules;
+``WeightDecay``, ``Lasso``, ``GradientHardClipping``) that gives the same
+bits as the update of the whole array.  Anything else needs parameters
+that are not cut (``shard_unit='parameter'``), or must be declared
+element-wise with :func:`register_elementwise`.
+
+Updates run on the communication thread, after ``update()`` closed the
+iteration, with what the iteration closed with: a copy of each rule whose
+hyperparameters are frozen then (a learning-rate schedule that changes the
+optimizer after ``update()`` does not reach them), and the optimizer hooks
+registered then.  ``GradientClipping`` needs the norm of every gradient: it
+is computed from the shards (one small allreduce) on the main thread once
+every shard is reduced, and the pre-update hooks then run there.
+"""
+import copy
+
+import numpy
+
+import chainer
+from chainer import optimizer as optimizer_module
+from chainer import optimizer_hooks
+from chainer import optimizers
+
+__all__ = ['ELEMENTWISE_HOOKS', 'ELEMENTWISE_RULES', 'GLOBAL_HOOKS',
+           'Snapshot', 'check_optimizer', 'init_states', 'make_proxy',
+           'register_elementwise']
+
+#: Update rules whose update of a slice equals the slice of their update.
+ELEMENTWISE_RULES = {
+    optimizers.sgd.SGDRule, optimizers.momentum_sgd.MomentumSGDRule,
+    optimizers.corrected_momentum_sgd.CorrectedMomentumSGDRule,
+    optimizers.nesterov_ag.NesterovAGRule, optimizers.ada_grad.AdaGradRule,
+    optimizers.ada_delta.AdaDeltaRule, optimizers.adam.AdamRule,
+    optimizers.rmsprop.RMSpropRule,
+    optimizers.rmsprop_graves.RMSpropGravesRule,
+    optimizers.smorms3.SMORMS3Rule, optimizers.msvag.MSVAGRule,
+}
+
+#: Per-parameter optimizer hooks that act element by element.
+ELEMENTWISE_HOOKS = {
+    optimizer_hooks.WeightDecay, optimizer_hooks.Lasso,
+    optimizer_hooks.GradientHardClipping,
+}
+
+#: Hooks of the whole optimizer computed from the shards.
+GLOBAL_HOOKS = (optimizer_hooks.GradientClipping,)
+
+_REGISTERED = set()
+
+
+def register_elementwise(cls):
+    """Declares an update rule or hook class element-wise.
+
+    Its update of any slice of a parameter must give the same values as the
+    same slice of its update of the whole parameter (no norms, sums or
+    random numbers over the array).  Usable as a class decorator.
+
+    Returns:
+        ``cls``.
+    """
+    _REGISTERED.add(cls)
+    return cls
+
+
+def _elementwise(obj, known):
+    # The exact class: a subclass may override the arithmetic.
+    return type(obj) in known or type(obj) in _REGISTERED
+
+
+def _hooks(hookable):
+    return (list(hookable._pre_update_hooks.values()),
+            list(hookable._post_update_hooks.values()))
+
+
+def check_optimizer(actual, params, unit, rank):
+    """Raises ``ValueError`` where the shard update would not be exact.
+
+    Args:
+        actual: the wrapped optimizer.
+        params: the parameters that are sharded.
+        unit (str): ``'element'`` or ``'parameter'`` (see :mod:`.layout`).
+        rank (int): for the message.
+    """
+    fix_unit = ("pass shard_unit='parameter' (each parameter updated whole "
+                'by one rank), or declare the class element-wise with '
+                'chainermn_overlap.register_elementwise if it is')
+    if not isinstance(actual, optimizer_module.GradientMethod):
+        raise ValueError(
+            'shard= needs a chainer GradientMethod (its update rules run on '
+            'the shards), got {} (rank {}); use shard=None.'.format(
+                type(actual).__name__, rank))
+    if type(actual).update is not optimizer_module.GradientMethod.update:
+        raise ValueError(
+            '{} overrides update(), which shard= cannot run on shards (rank '
+            '{}); use shard=None.'.format(type(actual).__name__, rank))
+    if actual._loss_scaling_is_dynamic:
+        raise ValueError(
+            'dynamic loss scaling checks every gradient at once, which '
+            'shard= does not hold (rank {}); use a static loss scale or '
+            'shard=None.'.format(rank))
+    pre, post = _hooks(actual._hookable)
+    for hook in pre + post:
+        name = type(hook).__name__
+        if isinstance(hook, GLOBAL_HOOKS):
+            if hook in post:
+                raise ValueError(
+                    '{} as a post-update hook is not supported with shard= '
+                    '(rank {}); register it before the update.'.format(
+                        name, rank))
+            continue
+        if not getattr(hook, 'call_for_each_param', False):
+            raise ValueError(
+                'optimizer hook {} needs every gradient at once, which '
+                'shard= cannot give it (GradientClipping is supported) '
+                '(rank {}); use shard=None.'.format(name, rank))
+        if unit == 'element' and not _elementwise(hook, ELEMENTWISE_HOOKS):
+            raise ValueError(
+                'optimizer hook {} is not known to be element-wise, and '
+                "shard_unit='element' cuts parameters between ranks (rank "
+                '{}): {}.'.format(name, rank, fix_unit))
+    for p in params:
+        rule = p.update_rule
+        if rule is None:
+            continue
+        if rule._use_fp32_update and p.dtype == numpy.float16:
+            raise ValueError(
+                'use_fp32_update() with float16 parameters ({}) is not '
+                'supported with shard= (rank {}); use shard=None.'.format(
+                    p.name, rank))
+        if unit != 'element':
+            continue
+        if not _elementwise(rule, ELEMENTWISE_RULES):
+            raise ValueError(
+                'the update rule of {} ({}) is not known to be element-wise, '
+                "and shard_unit='element' cuts parameters between ranks "
+                '(rank {}): {}.'.format(p.name, type(rule).__name__, rank,
+                                        fix_unit))
+        rule_pre, rule_post = _hooks(rule._hookable)
+        for hook in rule_pre + rule_post:
+            if not _elementwise(hook, ELEMENTWISE_HOOKS):
+                raise ValueError(
+                    'update-rule hook {} of {} is not known to be '
+                    "element-wise, and shard_unit='element' cuts parameters "
+                    'between ranks (rank {}): {}.'.format(
+                        type(hook).__name__, p.name, rank, fix_unit))
+
+
+def _frozen(hyperparam):
+    """A hyperparameter object holding today's values, with no parent."""
+    h = optimizer_module.Hyperparameter()
+    h.__dict__.update(hyperparam.get_dict())
+    return h
+
+
+class Snapshot(object):
+    """What one closed iteration's shard updates run with.
+
+    Made on the main thread when the iteration closes; read by the
+    communication thread.
+
+    Args:
+        actual: the wrapped optimizer.
+        params: the sharded parameters.
+    """
+
+    def __init__(self, actual, params):
+        pre, post = _hooks(actual._hookable)
+        self.global_pre = any(isinstance(h, GLOBAL_HOOKS) for h in pre)
+        self.pre = pre
+        self.post = post
+        # Set once the pre-update hooks ran on the main thread (a global
+        # hook is among them).
+        self.pre_done = False
+        self.rules = {}
+        for p in params:
+            rule = p.update_rule
+            if rule is None or not rule.enabled:
+                continue
+            # As UpdateRule.update does, on the real rule: its t is what
+            # users and serializers read.
+            rule.t += 1
+            shadow = copy.copy(rule)
+            shadow.hyperparam = _frozen(rule.hyperparam)
+            shadow.t = rule.t - 1   # update() counts it again
+            self.rules[id(p)] = shadow
+
+    def run_pre(self, hooks_params):
+        """Runs the pre-update hooks in order over ``(rule, proxy)`` pairs.
+
+        ``hooks_params``: the prepared proxies of every shard (main
+        thread, after every shard was reduced).
+        """
+        for hook in self.pre:
+            if isinstance(hook, GLOBAL_HOOKS):
+                continue   # applied by the caller (needs an allreduce)
+            for rule, proxy in hooks_params:
+                hook(rule, proxy)
+
+    def update(self, param, proxy):
+        """The update of one parameter's shard (proxy prepared)."""
+        shadow = self.rules.get(id(param))
+        if shadow is None:
+            return
+        if not self.pre_done:
+            for hook in self.pre:
+                hook(shadow, proxy)
+        shadow.update(proxy)
+        for hook in self.post:
+            hook(shadow, proxy)
+
+
+def make_proxy(param):
+    """A parameter standing for a slice of ``param`` in its update."""
+    proxy = chainer.Parameter(param.array.reshape(-1)[:0].copy(),
+                              name=param.name)
+    return proxy
+
+
+def init_states(pieces):
+    """Creates missing update-rule states, sized for the shards, and cuts
+    whole states (loaded from a snapshot, or gathered for a new layout)
+    down to this rank's slice.
+
+    Run on the main thread: the communication thread's rule copies share
+    the state dictionary, which therefore must exist beforehand.
+
+    Args:
+        pieces: ``(param, proxy, lo, hi)`` for every sharded parameter,
+            the proxy prepared.
+    """
+    for param, proxy, lo, hi in pieces:
+        rule = param.update_rule
+        if rule is None:
+            continue
+        if rule.state is None:
+            rule._state = {}
+            with chainer.using_device(proxy.device):
+                rule.init_state(proxy)
+            continue
+        for key, value in rule.state.items():
+            if not isinstance(value, chainer.get_array_types()):
+                continue
+            if value.ndim == 1 and value.size == hi - lo:
+                continue   # this shard's (or the whole of a 1-D one)
+            if value.shape != param.shape:
+                raise RuntimeError(
+                    'the state {!r} of {} has shape {}, neither the '
+                    "parameter's {} nor its shard's ({},): it was cut for "
+                    'another layout.'.format(key, param.name, value.shape,
+                                             param.shape, hi - lo))
+            rule.state[key] = value.reshape(-1)[lo:hi].copy()

@@ -1,0 +1,258 @@
+"""Fetching whole parameters from their owners, without a collective.
+
+With ``shard='parameters'`` a rank keeps only its piece of each bucket's
+parameters; a link's forward (and the backward of a function that retained
+a parameter) needs the whole.  A collective gather would force every rank
+to gather the same buckets in the same order, which networks whose
+branches differ between ranks, a snapshot written by rank 0 alone or an
+evaluation on one rank do not do.  So each rank runs a small server: a
+thread that answers requests for its pieces, and any rank fetches a bucket
+when it needs it by sending one request to each owner and receiving the
+pieces straight into place (point to point, on a communicator of its own).
+
+Versions keep fetches exact: a request names the number of updates the
+requester expects the bucket to have had; an owner that has not applied
+that update yet answers once it has (:meth:`ShardServer.updated`), and an
+owner does not start the next update of a bucket before its answers of the
+previous version are sent (:meth:`ShardServer.before_update`).  Every rank
+finishes its own fetches before it closes an iteration, and the updates of
+a closed iteration start only once every rank closed it (a collective of
+the round), so no request can ask for a version an owner has already left.
+
+The server waits by testing between short sleeps (10-250 us), as the
+engines' sleeping waits do, longer ones when it has been idle, so an idle
+server costs almost no CPU.
+"""
+import logging
+import threading
+import time
+
+import numpy
+
+__all__ = ['Fetch', 'ShardServer']
+
+_REQUEST = 1
+_DATA = 2   # + bucket index
+_MIN_SLEEP = 10e-6
+_MAX_SLEEP = 250e-6
+# An idle server sleeps longer between tests: up to 1 ms after 20 ms
+# without a request, up to 20 ms after 1 s (a server of an optimizer that
+# is no longer used then costs next to nothing until it is collected; the
+# first request after such a pause waits that much longer).
+_IDLE_STEPS = ((1.0, 20e-3), (0.02, 1e-3))
+# A request deferred this long (its version not reached) is logged once:
+# the requester is then usually stuck too, and its timeout says less.
+_DEFERRED_WARNING_S = 30.0
+
+_log = logging.getLogger(__name__)
+
+
+def _mpi():
+    from mpi4py import MPI
+    return MPI
+
+
+class Fetch(object):
+    """A bucket being fetched: ``wait()`` returns the whole flat array."""
+
+    def __init__(self, bucket, full, requests, own, version=None,
+                 owners=()):
+        self.bucket = bucket
+        self.full = full
+        self.requests = requests
+        self._own = own   # callable filling this rank's piece, or None
+        self.version = version
+        self.owners = list(owners)   # the rank of each (receive, request)
+
+    def done(self):
+        MPI = _mpi()
+        return self._own is None and (not self.requests
+                                      or MPI.Request.Testall(self.requests))
+
+    def wait(self, timeout):
+        """Blocks until every piece arrived; raises after ``timeout`` s."""
+        MPI = _mpi()
+        if self._own is not None:
+            self._own(self.full)
+            self._own = None
+        delay, t0 = _MIN_SLEEP, time.perf_counter()
+        while self.requests and not MPI.Request.Testall(self.requests):
+            if timeout and time.perf_counter() - t0 > timeout:
+                missing = sorted({
+                    r for r, req in zip(
+                        [o for o in self.owners for _ in (0, 1)],
+                        self.requests) if not req.Test()})
+                raise RuntimeError(
+                    'fetching the parameters of bucket {} (version {}) from '
+                    'their owners took more than {:.0f} s; no answer from '
+                    'rank(s) {}: a rank stopped answering (it died, hangs, '
+                    'or its link is down).'.format(
+                        self.bucket.index, self.version, timeout, missing))
+            time.sleep(delay)
+            delay = min(2 * delay, _MAX_SLEEP)
+        self.requests = []
+        return self.full
+
+
+class ShardServer(object):
+    """Serves this rank's pieces of each bucket; fetches the others'.
+
+    Args:
+        mpi_comm: the communicator to duplicate (collective over it).
+        rank (int): this rank.
+    """
+
+    def __init__(self, mpi_comm, rank):
+        self.comm = mpi_comm.Dup()
+        self.rank = rank
+        self._cond = threading.Condition()
+        self._pieces = {}      # bucket index -> this rank's piece
+        self._version = {}     # bucket index -> updates applied to it
+        self._pending = {}     # bucket index -> [(source, version)]
+        self._sends = {}       # bucket index -> [request]
+        self._closed = False
+        self._thread = threading.Thread(target=self._serve, daemon=True,
+                                        name='chainermn_overlap-shards')
+        self._thread.start()
+
+    # -- the owner's side ------------------------------------------------
+
+    def publish(self, index, piece, version=0):
+        """Makes ``piece`` (host memory) the answer for bucket ``index``."""
+        with self._cond:
+            self._pieces[index] = piece
+            self._version[index] = version
+            self._sends.setdefault(index, [])
+            # Requests that came before the piece did.
+            waiting, self._pending[index] = self._pending.get(index, []), []
+            for source, v, _ in waiting:
+                self._answer(index, source, v)
+
+    def reset(self):
+        """Forgets every piece (a new layout publishes its own)."""
+        MPI = _mpi()
+        with self._cond:
+            for sends in self._sends.values():
+                MPI.Request.Waitall(sends)
+            self._pieces, self._version, self._sends = {}, {}, {}
+
+    def before_update(self, index):
+        """Waits until no answer of bucket ``index`` is being sent."""
+        MPI = _mpi()
+        with self._cond:
+            sends = list(self._sends.get(index, ()))
+        delay = _MIN_SLEEP
+        while sends and not MPI.Request.Testall(sends):
+            time.sleep(delay)
+            delay = min(2 * delay, _MAX_SLEEP)
+        with self._cond:
+            self._sends[index] = [r for r in self._sends[index]
+                                  if r not in sends]
+
+    def updated(self, index):
+        """Bucket ``index`` had one more update: answer who waited for it."""
+        with self._cond:
+            self._version[index] += 1
+            waiting, self._pending[index] = self._pending[index], []
+            for source, version, _ in waiting:
+                self._answer(index, source, version)
+
+    def version(self, index):
+        with self._cond:
+            return self._version[index]
+
+    def _answer(self, index, source, version):
+        # Called with the lock held.  A bucket not published yet (this
+        # rank is behind the requester) or not updated yet: answer later.
+        if self._version.get(index, -1) < version:
+            self._pending.setdefault(index, []).append(
+                (source, version, time.perf_counter()))
+            return
+        self._sends[index].append(self.comm.Isend(
+            self._pieces[index], dest=source, tag=_DATA + index))
+
+    def _serve(self):
+        MPI = _mpi()
+        buf = numpy.empty(2, dtype=numpy.int64)
+        status = MPI.Status()
+        req = self.comm.Irecv(buf, source=MPI.ANY_SOURCE, tag=_REQUEST)
+        delay, last = _MIN_SLEEP, time.perf_counter()
+        while True:
+            if req.Test(status):
+                with self._cond:
+                    self._answer(int(buf[0]), status.Get_source(),
+                                 int(buf[1]))
+                req = self.comm.Irecv(buf, source=MPI.ANY_SOURCE,
+                                      tag=_REQUEST)
+                delay, last = _MIN_SLEEP, time.perf_counter()
+                continue
+            if self._closed:
+                req.Cancel()
+                req.Wait()
+                return
+            self._warn_deferred()
+            time.sleep(delay)
+            idle = time.perf_counter() - last
+            cap = next((c for after, c in _IDLE_STEPS if idle > after),
+                       _MAX_SLEEP)
+            delay = min(2 * delay, cap)
+
+    def _warn_deferred(self):
+        now = time.perf_counter()
+        with self._cond:
+            for index, waiting in self._pending.items():
+                for i, (source, version, since) in enumerate(waiting):
+                    if since is not None and now - since > \
+                            _DEFERRED_WARNING_S:
+                        _log.warning(
+                            'rank %d: rank %d asked for bucket %d at version '
+                            '%d %.0f s ago; this rank has applied %s updates '
+                            'to it', self.rank, source, index, version,
+                            now - since, self._version.get(index))
+                        waiting[i] = (source, version, None)
+
+    # -- the requester's side --------------------------------------------
+
+    def fetch(self, bucket, version, own):
+        """Starts fetching bucket ``bucket``'s parameters at ``version``.
+
+        Args:
+            bucket: with ``bounds`` (every rank's piece), ``plan`` and
+                ``param_dtype``.
+            version (int): the updates the bucket must have had.
+            own (callable): ``own(full)`` copies this rank's piece in (run
+                at ``wait()``, once this rank's own update is applied).
+
+        Returns:
+            Fetch
+        """
+        full = numpy.empty(bucket.plan.nelems, dtype=bucket.param_dtype)
+        requests, owners = [], []
+        for r, (a, b) in enumerate(bucket.bounds):
+            if r == self.rank or a == b:
+                continue
+            owners.append(r)
+            requests.append(self.comm.Irecv(full[a:b], source=r,
+                                            tag=_DATA + bucket.index))
+            msg = numpy.array([bucket.index, version], dtype=numpy.int64)
+            requests.append(self.comm.Isend(msg, dest=r, tag=_REQUEST))
+        return Fetch(bucket, full, requests, own, version, owners)
+
+    def stop(self):
+        """Lets the server thread end, without waiting (an optimizer that
+        was dropped without ``close()``)."""
+        self._closed = True
+
+    def close(self):
+        """Stops the server thread and frees its communicator."""
+        if self._closed and not self._thread.is_alive():
+            return
+        self._closed = True
+        self._thread.join(5.0)
+        for sends in self._sends.values():
+            for r in sends:
+                r.Wait()
+        try:
+            self.comm.Free()
+        except Exception:  # MPI may already be finalized at exit
+            pass

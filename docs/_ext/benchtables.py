@@ -1,0 +1,248 @@
+"""Performance tables generated from ``benchmarks/results/*.json``.
+
+Each table is a function of the results directory registered under a name
+with :func:`table`; ``docs/performance.md`` shows one with
+
+.. code-block:: markdown
+
+    ```{bench-table} overlap
+    ```
+
+and the machine a result file was measured on with ``{bench-machine}
+overlap.json``.  A benchmark rerun that rewrites its JSON therefore updates
+its table at the next ``make docs``; a result file that lost a key the
+table reads fails the build (a warning, an error under ``-W``) rather than
+showing a stale figure.  :func:`figures` gives the few numbers the prose
+and the README quote, by name (``{{ overlap_forward }}`` in MyST pages, and
+``tests/unit/test_docs.py`` checks the README's against them).
+
+The tables live in :mod:`bench_optimizer` and :mod:`bench_distconv`, the
+machinery in :mod:`benchcore`.  The functions need only the standard
+library, so tests import them without Sphinx.
+"""
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from benchcore import (  # noqa: E402,F401
+    RESULTS, TABLES, Table, f2, f3, interval_text, load, machine_text, mbit,
+    pct, ratio_x, scal, signed_pct, table)
+from bench_distconv import _spatial_runs  # noqa: E402
+from bench_optimizer import MODEL_NAMES, overlap_table  # noqa: E402,F401
+
+
+# ----------------------------------------------------------------------------
+# Figures quoted in prose and in the README
+# ----------------------------------------------------------------------------
+
+def figures(results=RESULTS):
+    """Named figures, formatted as the pages quote them.
+
+    Scalability figures carry their 95 % interval where the result has one
+    (``0.863 [0.851, 0.872]``).
+
+    Returns:
+        dict: name -> string.
+    """
+    ov = load('overlap.json', results)
+    cal = ov['calibrated']['modes']
+    comp = load('compression.json', results)['models']
+    c50, c18 = comp['resnet50'], comp['resnet18']
+    crow = c50['links']['calibrated']['rows']
+    srow = c50['links']['slow']['rows']
+    lrow = c18['links']['calibrated']['rows']
+    lslow = c18['links']['slow']['rows']
+    peers = load('peers.json', results)
+    acc = load('accuracy.json', results)
+    sp = _spatial_runs(load('spatial.json', results), 'strong')
+    late = load('channel_tiling.json', results)['late']['summary']
+    cost = load('comm_cost.json', results)['summary']
+    shard = load('sharding.json', results)
+    soak_all = load('hosts_soak.json', results)
+    soak = soak_all['summary']
+
+    def soak_end(kinds):
+        ends = [f['to_attempt_end_s'] for f in soak_all['faults']
+                if f['fault'] in kinds]
+        return '%.1f-%.1f s' % (min(ends), max(ends))
+    losses = acc['resnet']['losses']
+    # What moving the gradients costs the rank's core (comm_cost.json), per
+    # iteration of the overlap benchmark's model, and the bound it sets.
+    t_c = 1.0 / cal['alone']['it_per_s_median']
+    move_s = ov['gradient_bytes'] / 1e6 / cost['reducing'][
+        'allreduce_MB_per_s_median']
+    cost_s = cost['reducing']['slowdown'] * move_s
+
+    def peer_diff(theirs, ours):
+        return interval_text(peers['comparison']['%s/%s' % (theirs, ours)][
+            'scalability']['difference'], signed=True)
+    return {
+        'overlap_alone_s': '%.2f' % t_c,
+        'comm_cost_per_iteration_s': '%.2f' % cost_s,
+        'comm_cost_bound': f2(t_c / (t_c + cost_s)),
+        'gradient_mb': '%.0f' % (ov['gradient_bytes'] / 1e6),
+        'accuracy_resnet_float32': '%.3f -> %.3f' % (losses['float32'][0],
+                                                     losses['float32'][-1]),
+        'accuracy_resnet_powersgd4': '%.3f -> %.3f' % (
+            losses['powersgd4'][0], losses['powersgd4'][-1]),
+        'accuracy_resnet_iterations': str(len(losses['float32'])),
+        'overlap_rate': mbit(ov['calibrated']['rate_bit_per_s']),
+        'overlap_blocking': scal(cal['blocking']),
+        'overlap_forward': scal(cal['overlap_forward']),
+        'overlap_update': scal(cal['overlap_update']),
+        'overlap_double_buffering': scal(cal['double_buffering']),
+        'overlap_forward_hidden': pct(
+            cal['overlap_forward']['communication_stats']['hidden_fraction']),
+        'emulation_forward': scal(ov['emulation']['modes']['overlap_forward']),
+        'emulation_blocking': scal(ov['emulation']['modes']['blocking']),
+        'compression_rate': mbit(c50['links']['calibrated']['rate_bit_per_s']),
+        'compression_slow_rate': mbit(c50['links']['slow']['rate_bit_per_s']),
+        'compression_rounds': str(c50['config']['rounds']),
+        'compression_blocking': scal(crow['blocking']),
+        'compression_float32': scal(crow['overlap_forward']),
+        'compression_float16': scal(crow['overlap_forward_float16']),
+        'compression_powersgd4': scal(crow['overlap_forward_powersgd4']),
+        'compression_slow_float32': scal(srow['overlap_forward']),
+        'compression_slow_powersgd4': scal(srow['overlap_forward_powersgd4']),
+        'compression_cost_ms_per_mb': '%.1f' % (
+            c50['cost']['seconds_per_byte'] * 1e9),
+        'light_rate': mbit(c18['links']['calibrated']['rate_bit_per_s']),
+        'light_powersgd4': scal(lrow['overlap_forward_powersgd4']),
+        'light_slow_powersgd4': scal(lslow['overlap_forward_powersgd4']),
+        'light_float32': scal(lrow['overlap_forward']),
+        'light_powersgd4_bound': f3(
+            lrow['overlap_forward_powersgd4']['bound']),
+        'peers_rate': mbit(peers['rate_bit_per_s']),
+        'peers_batch': str(peers['peer_batch']),
+        'peers_our_batch': str(peers['config']['batch']),
+        'peers_model': model_text(peers['config']),
+        'peers_float32': peer_diff('ddp_fp32', 'overlap_forward'),
+        'peers_float16': peer_diff('ddp_fp16', 'overlap_forward_float16'),
+        'peers_powersgd1': peer_diff('ddp_powersgd1',
+                                     'overlap_forward_powersgd1'),
+        'peers_powersgd4': peer_diff('ddp_powersgd4',
+                                     'overlap_forward_powersgd4'),
+        'soak_faults': str(soak['checks']['faults']),
+        **sharding_figures(shard),
+        'soak_cut_end': soak_end(('cut',)),
+        'soak_kill_end': soak_end(('kill', 'lose')),
+        'soak_median_s': '%.1f' % soak['recovery_less_watchdog_median_s'],
+        'soak_max_s': '%.1f' % soak['recovery_less_watchdog_max_s'],
+        'accuracy_max_gap_points': '%.2f' % acc['max_gap_points'],
+        'spatial_speedup_p2': f2(sp[2]['speedup_median_of_ratios']) + (
+            ' [%.2f, %.2f]' % tuple(sp[2]['ratio_ci'])
+            if sp[2].get('ratio_ci') else ''),
+        'spatial_peak_p2': ratio_x(sp[2]['memory']['peak_ratio_vs_serial']),
+        'late_speedup': ratio_x(late['speedup']['filter_channel']),
+        'late_bound': ratio_x(late['twin_bound']),
+        'late_weights': ratio_x(late['param_bytes_ratio']['filter_channel']),
+        'comm_cost_slowdown': signed_pct(cost['reducing']['slowdown']),
+        'comm_cost_rate': '%.1f' % cost['reducing'][
+            'allreduce_MB_per_s_median'],
+    }
+
+
+# ----------------------------------------------------------------------------
+# Sphinx
+# ----------------------------------------------------------------------------
+
+def setup(app):
+    from docutils import nodes
+    from docutils.parsers.rst import Directive
+    from sphinx.util import logging
+
+    logger = logging.getLogger(__name__)
+
+    def _inline(text):
+        # Cells and the machine line mark code with single backticks, as
+        # markdown does; built here so that it reads the same from MyST and
+        # reST pages.
+        out = []
+        for i, part in enumerate(text.split('`')):
+            if part:
+                out.append(nodes.literal(part, part) if i % 2
+                           else nodes.Text(part))
+        return out
+
+    def build(t):
+        tbl = nodes.table()
+        tbl += nodes.title(t.title, t.title)
+        group = nodes.tgroup(cols=len(t.header))
+        tbl += group
+        for _ in t.header:
+            group += nodes.colspec(colwidth=1)
+        head, body = nodes.thead(), nodes.tbody()
+        group += head
+        group += body
+        for target, cells in ((head, [t.header]), (body, t.rows)):
+            for row in cells:
+                r = nodes.row()
+                for cell in row:
+                    e = nodes.entry()
+                    p = nodes.paragraph()
+                    p += _inline(cell)
+                    e += p
+                    r += e
+                target += r
+        return tbl
+
+    class BenchTable(Directive):
+        """``bench-table NAME``: the generated table ``NAME``."""
+        required_arguments = 1
+
+        def run(self):
+            name = self.arguments[0]
+            if name not in TABLES:
+                raise self.error('unknown bench-table %r; known: %s'
+                                 % (name, ', '.join(sorted(TABLES))))
+            try:
+                t = TABLES[name]()
+            except (OSError, KeyError, ValueError, TypeError) as e:
+                logger.warning('bench-table %s: cannot build it from '
+                               'benchmarks/results: %s: %s', name,
+                               type(e).__name__, e,
+                               location=(self.state.document.current_source,
+                                         self.lineno))
+                return []
+            return [build(t)]
+
+    class BenchMachine(Directive):
+        """``bench-machine FILE.json``: where that result was measured."""
+        required_arguments = 1
+
+        def run(self):
+            try:
+                text = machine_text(self.arguments[0])
+            except (OSError, KeyError, ValueError) as e:
+                logger.warning('bench-machine %s: %s', self.arguments[0], e,
+                               location=(self.state.document.current_source,
+                                         self.lineno))
+                return []
+            p = nodes.paragraph()
+            p += _inline('From ' + text)
+            return [p]
+
+    app.add_directive('bench-table', BenchTable)
+    app.add_directive('bench-machine', BenchMachine)
+    return {'parallel_read_safe': True, 'parallel_write_safe': True}
+
+
+def model_text(config):
+    """``ResNet-18 at 128x128, batch 8 per rank`` from a result's config."""
+    return '%s at %dx%d, batch %d per rank' % (
+        MODEL_NAMES.get(config['model'], config['model']), config['insize'],
+        config['insize'], config['batch'])
+
+
+def sharding_figures(d):
+    """Bytes per parameter each rank holds after an update, at the largest
+    rank count of the result."""
+    mem = d['memory']
+    top = max(mem, key=int)
+    rows = mem[top]['rows']
+    out = {'sharding_ranks': str(top)}
+    for key in ('chainermn', 'none', 'optimizer', 'gradients', 'parameters'):
+        out['sharding_bytes_' + key] = '%.1f' % rows[key + ':update'][
+            'bytes_per_param_after_update']
+    return out

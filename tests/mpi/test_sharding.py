@@ -1,0 +1,340 @@
+"""Sharded optimizer state, gradients and parameters (``shard=``).
+
+The training equivalence with ChainerMN for every network kind runs in
+``test_equivalence.py`` and ``test_changed_params.py`` under
+``CHAINERMN_OVERLAP_TEST_SHARD=<mode>`` (``make test`` runs them at 2 and 3
+ranks, bit for bit at 2).  This file checks what is particular to
+sharding: a negative control for the shard update, snapshots moved
+between shardings and rank counts, what each mode holds between
+iterations, reads of whole parameters on one rank alone, and the errors.
+Collective tests: every rank runs this file.
+"""
+import os
+
+import numpy as np
+import pytest
+
+import chainer
+import chainer.functions as F
+import chainer.links as L
+from chainer import optimizer_hooks
+from chainer import serializers
+import chainermn
+
+import chainermn_overlap
+from chainermn_overlap.optimizers.sharding import rules
+from chainermn_overlap.testing import equivalence as eq
+from chainermn_overlap.testing.models import MLP
+
+MODES = ['optimizer', 'gradients', 'parameters']
+WAITS = ['forward', 'update']
+TOL = dict(rtol=1e-4, atol=1e-5)
+STEPS = 5
+
+
+def _template(seed=3):
+    eq.seed_for_rank(seed)
+    return L.Classifier(MLP(5, 7, 3))
+
+
+def _batches(seed, steps=STEPS + 4):
+    rng = np.random.RandomState(seed)
+    return [(rng.randn(6, 5).astype(np.float32),
+             rng.randint(0, 3, 6).astype(np.int32)) for _ in range(steps)]
+
+
+def _step(batches):
+    def step(model, opt, it, impl):
+        x, t = batches[it]
+        opt.update(model, x, t)
+    return step
+
+
+def _adam():
+    return chainer.optimizers.Adam(alpha=0.01)
+
+
+def _make(comm, actual, shard, wait='forward', **options):
+    opt = chainermn_overlap.create_overlapped_optimizer(
+        actual, comm, wait=wait, shard=shard, bucket_size=256, **options)
+    return opt
+
+
+def _same_everywhere(comm, ok, message):
+    eq.assert_all_ranks(ok, message, comm)
+
+
+# ---------------------------------------------------------------------------
+# A negative control: a shard update that skips one rank's slice is caught.
+
+@pytest.mark.parametrize('shard', MODES)
+def test_skipping_one_ranks_slice_is_caught(comm, shard, monkeypatch):
+    if comm.size == 1:
+        pytest.skip('one rank owns every slice')
+    batches = _batches(11)
+    impl = eq.OverlappedImpl()
+    options = {'shard': shard, 'bucket_size': 256}
+    ref = eq.train(eq.REFERENCE, _template(), _adam, _step(batches), STEPS)
+    got = eq.train(impl, _template(), _adam, _step(batches), STEPS,
+                   options=options)
+    eq.assert_equivalent(got.model, ref.model, what='as built', **TOL)
+    real = rules.Snapshot.update
+
+    def skip_last_rank(self, param, proxy):
+        if comm.rank != comm.size - 1:
+            real(self, param, proxy)
+    monkeypatch.setattr(rules.Snapshot, 'update', skip_last_rank)
+    broken = eq.train(impl, _template(), _adam, _step(batches), STEPS,
+                      options=options)
+    eq.assert_different(broken.model, ref.model, what='last slice skipped',
+                        **TOL)
+
+
+# ---------------------------------------------------------------------------
+# Snapshots: whole states, loadable unsharded and at another rank count.
+
+def _train_and_save(comm, make_opt, batches, path, steps=3):
+    model = _template()
+    opt = make_opt(model)
+    for it in range(steps):
+        x, t = batches[it]
+        opt.update(model, x, t)
+    serializers.save_npz(path + '.opt.npz', opt)
+    serializers.save_npz(path + '.model.npz', model)
+    return model, opt
+
+
+def _npz(path):
+    with np.load(path) as f:
+        return {k: f[k] for k in f.files}
+
+
+@pytest.mark.parametrize('shard', MODES)
+def test_snapshot_holds_the_unsharded_state(comm, shard, tmp_path):
+    batches = _batches(12)
+    base = str(tmp_path / 'r{}'.format(comm.rank))
+
+    def sharded(model):
+        return _make(comm, _adam(), shard).setup(model)
+
+    def reference(model):
+        return chainermn.create_multi_node_optimizer(
+            _adam(), comm).setup(model)
+    _, opt = _train_and_save(comm, sharded, batches, base + 's')
+    _train_and_save(comm, reference, batches, base + 'r')
+    got, ref = _npz(base + 's.opt.npz'), _npz(base + 'r.opt.npz')
+    errors = [] if sorted(got) == sorted(ref) else [
+        'keys differ: {} vs {}'.format(sorted(got), sorted(ref))]
+    for k in sorted(set(got) & set(ref)):
+        if got[k].shape != ref[k].shape or not np.allclose(got[k], ref[k],
+                                                           **TOL):
+            errors.append(k)
+    _same_everywhere(comm, not errors, 'sharded snapshot differs from '
+                     "ChainerMN's: {}".format(errors[:5]))
+    # The file holds whole states (moments of every parameter's shape).
+    m = [k for k in got if k.endswith('/m')]
+    _same_everywhere(comm, bool(m), 'no Adam moments in the snapshot')
+    opt.close()
+
+
+@pytest.mark.parametrize('shard', MODES)
+def test_resume_at_another_rank_count(comm, shard, tmp_path):
+    """Written by a sharded optimizer on every rank; resumed by a sharded
+    one on one rank fewer (and by an unsharded one), which then trains as
+    ChainerMN resumed from its own snapshot does."""
+    batches = _batches(13)
+    path = str(tmp_path / 'r{}'.format(comm.rank))
+    _, opt = _train_and_save(
+        comm, lambda m: _make(comm, _adam(), shard).setup(m), batches,
+        path + 's')
+    opt.close()
+    _train_and_save(
+        comm, lambda m: chainermn.create_multi_node_optimizer(
+            _adam(), comm).setup(m), batches, path + 'r')
+    size = max(1, comm.size - 1)
+    sub_mpi = comm.mpi_comm.Split(0 if comm.rank < size else 1, comm.rank)
+    if comm.rank < size:
+        sub = chainermn.create_communicator('naive', mpi_comm=sub_mpi)
+        results = {}
+        # ChainerMN's own wrapper skips the first update after a resume;
+        # the unsharded overlapped optimizer resumed from ChainerMN's file
+        # is the reference (test_equivalence checks it resumes exactly).
+        for name, shard_of, src in [('sharded', shard, 's'),
+                                    ('unsharded', None, 's'),
+                                    ('reference', None, 'r')]:
+            model = _template()
+            serializers.load_npz(path + src + '.model.npz', model)
+            opt = _make(sub, _adam(), shard_of).setup(model)
+            serializers.load_npz(path + src + '.opt.npz', opt)
+            for it in range(3, 6):
+                x, t = batches[it]
+                opt.update(model, x, t)
+            opt.synchronize()
+            opt.close()
+            results[name] = eq.param_state(model, persistents=False)
+        errors = (eq.compare_states(results['sharded'],
+                                    results['reference'], **TOL)
+                  + eq.compare_states(results['unsharded'],
+                                      results['reference'], **TOL))
+        ok = not errors
+    else:
+        ok, errors = True, []
+    sub_mpi.Free()
+    _same_everywhere(comm, ok, 'resumed on {} rank(s): {}'.format(
+        size, errors[:5]))
+
+
+# ---------------------------------------------------------------------------
+# What each mode holds between iterations.
+
+@pytest.mark.parametrize('wait', WAITS)
+@pytest.mark.parametrize('shard', MODES)
+def test_what_is_held_after_update(comm, shard, wait):
+    model = _template()
+    opt = _make(comm, _adam(), shard, wait=wait).setup(model)
+    batches = _batches(14)
+    for it in range(4):
+        x, t = batches[it]
+        opt.update(model, x, t)
+    params = dict(model.namedparams())
+    errors = []
+    for name, p in sorted(params.items()):
+        state = p.update_rule.state
+        sizes = {k: v.size for k, v in state.items()
+                 if isinstance(v, np.ndarray)}
+        # Moments: this rank's slice only (all of them on one rank).
+        total = comm.mpi_comm.allreduce(sizes.get('m', 0))
+        if total != p.size:
+            errors.append('{}: moments over ranks hold {} of {} elements'
+                          .format(name, total, p.size))
+        grad_kept = p.grad is not None
+        if grad_kept != (shard == 'optimizer'):
+            errors.append('{}: grad {}'.format(
+                name, 'kept' if grad_kept else 'released'))
+        released = p.array is not None and all(s == 0
+                                               for s in p.array.strides)
+        if released != (shard == 'parameters'):
+            errors.append('{}: array {}'.format(
+                name, 'released' if released else 'whole'))
+    opt.synchronize()
+    whole = all(p.array.strides != (0,) * p.array.ndim
+                for p in model.params())
+    if not whole:
+        errors.append('parameters not whole after synchronize()')
+    opt.close()
+    _same_everywhere(comm, not errors, '; '.join(errors[:6]))
+
+
+def test_one_rank_reads_whole_parameters_alone(comm, tmp_path):
+    """shard='parameters': rank 0 alone saves the model; its parameters are
+    fetched from the other ranks, which go on training meanwhile."""
+    batches = _batches(15)
+    model = _template()
+    opt = _make(comm, chainer.optimizers.MomentumSGD(0.1),
+                'parameters').setup(model)
+    ref_model = _template()
+    ref_opt = chainermn.create_multi_node_optimizer(
+        chainer.optimizers.MomentumSGD(0.1), comm).setup(ref_model)
+    path = str(tmp_path / 'model{}.npz'.format(comm.rank))
+    for it in range(4):
+        x, t = batches[it]
+        opt.update(model, x, t)
+        ref_opt.update(ref_model, x, t)
+        if comm.rank == 0 and it == 2:
+            serializers.save_npz(path, model)
+            saved = eq.param_state(ref_model, persistents=False)
+    ok, msg = True, ''
+    if comm.rank == 0:
+        got = {'param /' + k: v for k, v in _npz(path).items()
+               if not k.endswith(('avg_mean', 'avg_var', 'N'))}
+        errors = eq.compare_states(got, saved, **TOL)
+        ok, msg = not errors, str(errors[:3])
+    opt.synchronize()
+    eq.assert_equivalent(model, ref_model, **TOL)
+    opt.close()
+    _same_everywhere(comm, ok, 'model saved on rank 0 alone: ' + msg)
+
+
+def test_use_outside_the_link_after_release_raises(comm):
+    model = _template()
+    opt = _make(comm, chainer.optimizers.SGD(0.1), 'parameters').setup(model)
+    batches = _batches(16)
+    for it in range(3):
+        x, t = batches[it]
+        opt.update(model, x, t)
+    with pytest.raises(RuntimeError, match='outside its link'):
+        F.linear(batches[3][0], model.predictor.l1.W)
+    opt.close()
+
+
+# ---------------------------------------------------------------------------
+# Errors, on every rank.
+
+@pytest.mark.parametrize('kwargs, match', [
+    ({'shard': 'all'}, 'shard must be'),
+    ({'shard': 'optimizer', 'shard_unit': 'row'}, 'shard_unit must be'),
+    ({'shard': 'gradients',
+      'compression': chainermn_overlap.PowerSGD(rank=2)}, 'compression'),
+    ({'shard': 'optimizer', 'backend': 'nccl'}, 'MPI engines'),
+])
+def test_bad_options(comm, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        chainermn_overlap.create_overlapped_optimizer(
+            chainer.optimizers.SGD(), comm, **kwargs)
+
+
+def test_double_buffering_does_not_shard(comm):
+    with pytest.raises(ValueError, match='double buffering'):
+        chainermn_overlap.create_double_buffering_optimizer(
+            chainer.optimizers.SGD(), comm, shard='optimizer')
+
+
+class _NormRule(chainer.optimizers.momentum_sgd.MomentumSGDRule):
+    """Not element-wise (a subclass may change the arithmetic)."""
+
+
+class _NormSGD(chainer.optimizers.MomentumSGD):
+    def create_update_rule(self):
+        return _NormRule(self.hyperparam)
+
+
+@pytest.mark.parametrize('hook, match', [
+    (optimizer_hooks.GradientLARS(), 'GradientLARS'),
+    (optimizer_hooks.GradientNoise(0.01), 'GradientNoise'),
+    (None, '_NormRule'),
+])
+def test_rules_that_are_not_elementwise(comm, hook, match):
+    model = _template()
+    actual = _NormSGD(0.1) if hook is None else chainer.optimizers.SGD(0.1)
+    opt = _make(comm, actual, 'optimizer').setup(model)
+    if hook is not None:
+        opt.add_hook(hook)
+    x, t = _batches(17)[0]
+    opt.update(model, x, t)   # builds the layout (nothing is sharded yet)
+    with pytest.raises(ValueError, match=match) as info:
+        opt.update(model, x, t)
+    assert "shard_unit='parameter'" in str(info.value)
+    opt.close()
+    # The documented way out: whole parameters per rank.
+    opt = _make(comm, _NormSGD(0.1) if hook is None
+                else chainer.optimizers.SGD(0.1), 'optimizer',
+                shard_unit='parameter').setup(model)
+    if isinstance(hook, optimizer_hooks.GradientLARS):
+        opt.add_hook(hook)
+    for _ in range(2):
+        opt.update(model, x, t)
+    opt.close()
+
+
+def test_register_elementwise(comm):
+    model = _template()
+    rules.register_elementwise(_NormRule)
+    try:
+        opt = _make(comm, _NormSGD(0.1), 'optimizer').setup(model)
+        x, t = _batches(18)[0]
+        for _ in range(3):
+            opt.update(model, x, t)
+        opt.close()
+    finally:
+        rules._REGISTERED.discard(_NormRule)
+

@@ -1,0 +1,266 @@
+"""The documentation's own machinery, checked without building the site.
+
+``make docs`` builds the site with warnings as errors; these tests keep the
+parts it relies on honest and fast to check in ``make test``: the README's
+size, links and figures, the API-reference completeness check, the
+performance tables from ``benchmarks/results``, the internal link checker
+and the toctree fallback for new pages.
+"""
+import os
+import re
+import runpy
+import sys
+
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(HERE))
+DOCS = os.path.join(ROOT, 'docs')
+sys.path.insert(0, os.path.join(DOCS, '_ext'))
+
+import apiref  # NOQA: E402
+import benchtables  # NOQA: E402
+import check_links  # NOQA: E402
+
+
+def _read(*parts):
+    with open(os.path.join(ROOT, *parts), encoding='utf-8') as f:
+        return f.read()
+
+
+def _pages():
+    out = {}
+    for name in sorted(os.listdir(DOCS)):
+        if name.endswith('.md'):
+            out[name] = _read('docs', name)
+    return out
+
+
+# ---------------------------------------------------------------------------
+# README
+# ---------------------------------------------------------------------------
+
+def test_readme_is_at_most_10_kb():
+    size = len(_read('README.md').encode('utf-8'))
+    assert size <= 10000, 'README.md is %d bytes; move detail into docs/' \
+        % size
+
+
+def test_readme_keeps_the_two_set_up_commands():
+    text = _read('README.md')
+    assert re.search(r'^make demo\b', text, re.M)
+    assert re.search(r'^make test\b', text, re.M)
+
+
+def _relative_links(text):
+    for target in re.findall(r'\]\(([^)\s]+)\)', text):
+        if not re.match(r'^[a-z]+:', target) and not target.startswith('#'):
+            yield target.split('#')[0]
+
+
+def test_readme_links_point_to_files_of_the_checkout():
+    missing = [t for t in _relative_links(_read('README.md'))
+               if not os.path.exists(os.path.join(ROOT, t))]
+    assert not missing, missing
+
+
+# The README's table quotes these; a rerun that changes them must update it.
+README_FIGURES = ['compression_rate', 'compression_blocking',
+                  'compression_float32', 'compression_float16',
+                  'compression_powersgd4', 'compression_slow_float32',
+                  'compression_slow_powersgd4',
+                  'emulation_blocking', 'emulation_forward',
+                  'peers_model', 'peers_float32', 'peers_float16',
+                  'peers_powersgd1', 'peers_powersgd4',
+                  'sharding_ranks', 'sharding_bytes_none',
+                  'sharding_bytes_optimizer', 'sharding_bytes_gradients',
+                  'sharding_bytes_parameters',
+                  'spatial_speedup_p2', 'spatial_peak_p2']
+
+
+def test_readme_figures_are_the_current_results():
+    text, figures = _read('README.md'), benchtables.figures()
+    stale = ['%s = %s' % (k, figures[k]) for k in README_FIGURES
+             if figures[k] not in text]
+    assert not stale, ('README.md lacks the current figures (from '
+                       'benchmarks/results): %s' % stale)
+
+
+# ---------------------------------------------------------------------------
+# Performance tables and quoted figures
+# ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize('name', sorted(benchtables.TABLES))
+def test_table_builds_from_the_current_results(name):
+    t = benchtables.TABLES[name]()
+    assert t.rows and all(len(r) == len(t.header) for r in t.rows)
+    for source in t.sources:
+        assert os.path.isfile(os.path.join(benchtables.RESULTS, source))
+
+
+def test_the_pages_show_every_table_once_and_only_those():
+    # Most tables are on the performance page; a topic's own page (the
+    # multi-host soak on multihost.md) may hold its table instead.
+    used = []
+    for page in sorted(os.listdir(os.path.join(ROOT, 'docs'))):
+        if not page.endswith('.md'):
+            continue
+        text = _read('docs', page)
+        used += re.findall(r'^```\{bench-table\}\s+(\S+)', text, re.M)
+        for name in re.findall(r'^```\{bench-machine\}\s+(\S+)', text,
+                               re.M):
+            assert benchtables.machine_text(name).startswith('`benchmarks/')
+    assert sorted(used) == sorted(benchtables.TABLES)
+
+
+def test_tables_follow_the_json(tmp_path):
+    # A changed result changes the table: copy the results, alter one
+    # figure, rebuild.
+    import json
+    import shutil
+    for name in os.listdir(benchtables.RESULTS):
+        if name.endswith('.json'):
+            shutil.copy(os.path.join(benchtables.RESULTS, name), tmp_path)
+    before = benchtables.overlap_table(str(tmp_path)).rows[1][2]
+    path = tmp_path / 'overlap.json'
+    d = json.loads(path.read_text())
+    d['calibrated']['modes']['blocking']['scalability'] = 0.5
+    path.write_text(json.dumps(d))
+    assert before != '0.500'
+    assert benchtables.overlap_table(str(tmp_path)).rows[1][2] == '0.500'
+
+
+def test_every_substitution_in_the_pages_is_defined():
+    figures = benchtables.figures()
+    used = set()
+    for text in _pages().values():
+        used.update(re.findall(r'\{\{\s*(\w+)\s*\}\}', text))
+    assert used and used <= set(figures), used - set(figures)
+
+
+# ---------------------------------------------------------------------------
+# API reference
+# ---------------------------------------------------------------------------
+
+def test_public_modules_are_the_packages_and_entry_modules():
+    mods = apiref.public_modules()
+    for name in ('chainermn_overlap', 'chainermn_overlap.distconv',
+                 'chainermn_overlap.distconv.geometry',
+                 'chainermn_overlap.extensions', 'chainermn_overlap.launch',
+                 'chainermn_overlap.hooks', 'chainermn_overlap.testing'):
+        assert name in mods
+    # Implementation modules are not (the packages re-export what is public).
+    assert 'chainermn_overlap.distconv.grid' not in mods
+    assert not any('._' in m for m in mods)
+
+
+def _autoall_pages():
+    covered = set()
+    for name in os.listdir(os.path.join(DOCS, 'api')):
+        text = _read('docs', 'api', name)
+        covered.update(re.findall(r'^\.\. autoall::\s+(\S+)', text, re.M))
+    return covered
+
+
+def test_every_public_module_has_an_api_page():
+    covered = set(_autoall_pages())
+    for name in list(covered):
+        covered.update(apiref.autoall_lines(name)[1])
+    missing = [m for m in apiref.public_modules() if m not in covered]
+    assert not missing, ('no ".. autoall::" in docs/api/ for %s' % missing)
+
+
+def test_completeness_check_reports_what_is_missing():
+    import chainermn_overlap
+    mods = ['chainermn_overlap']
+    documented = {apiref._key(n, apiref._resolve(chainermn_overlap, n))
+                  for n in chainermn_overlap.__all__}
+    covered = {'chainermn_overlap', 'chainermn_overlap.distconv'}
+    assert apiref.undocumented(mods, documented, covered) == []
+    # Negative controls: a name autodoc did not see, a module not covered.
+    documented.discard(apiref._key(
+        'PowerSGD', chainermn_overlap.PowerSGD))
+    problems = apiref.undocumented(mods, documented, covered)
+    assert len(problems) == 1 and 'chainermn_overlap.PowerSGD' in problems[0]
+    problems = apiref.undocumented(['chainermn_overlap.hooks'], documented,
+                                   covered)
+    assert len(problems) == 1 and 'no autoall directive' in problems[0]
+
+
+def test_autoall_documents_each_name_once():
+    lines, subs = apiref.autoall_lines('chainermn_overlap.distconv')
+    text = '\n'.join(lines)
+    assert '.. autoclass:: chainermn_overlap.distconv.SpatialGrid' in text
+    assert 'chainermn_overlap.distconv.geometry' in subs
+    # tuner.tune is distconv.tune: a reference, not a second entry.
+    assert '.. autofunction:: chainermn_overlap.distconv.tuner.tune' \
+        not in text
+    assert ':py:obj:`chainermn_overlap.distconv.tune`' in text
+
+
+def test_wrapped_parameter_names_are_joined():
+    lines = ['Summary.', '', 'Args:', '    grid (SpatialGrid): The grid.',
+             '    a, b,', '    c: As in Chainer.', '    d (int): D,',
+             '        wrapped.', '', 'Returns:', '    x, y,']
+    apiref.join_wrapped_names(lines)
+    assert lines == ['Summary.', '', 'Args:',
+                     '    grid (SpatialGrid): The grid.',
+                     '    a, b, c: As in Chainer.', '    d (int): D,',
+                     '        wrapped.', '', 'Returns:', '    x, y,']
+
+
+# ---------------------------------------------------------------------------
+# Internal link check of the built site
+# ---------------------------------------------------------------------------
+
+def test_link_checker_finds_broken_files_and_anchors(tmp_path):
+    (tmp_path / 'sub').mkdir()
+    (tmp_path / 'index.html').write_text(
+        '<a href="page.html#here">ok</a> <a href="page.html#gone">bad</a>'
+        '<a href="missing.html">bad</a> <a href="https://x.org/y">ext</a>'
+        '<a href="#top" id="top">self</a> <img src="sub/pic.png">')
+    (tmp_path / 'page.html').write_text('<h1 id="here">x</h1>'
+                                        '<a href="index.html">up</a>')
+    problems = check_links.broken_links(str(tmp_path))
+    assert len(problems) == 3, problems
+    assert any('#gone' in p and 'no anchor' in p for p in problems)
+    assert any('missing.html' in p and 'no such file' in p for p in problems)
+    assert any('pic.png' in p for p in problems)
+    (tmp_path / 'sub' / 'pic.png').write_bytes(b'')
+    (tmp_path / 'index.html').write_text('<a href="page.html#here">ok</a>')
+    (tmp_path / 'missing.html').write_text('')
+    assert check_links.broken_links(str(tmp_path)) == []
+
+
+# ---------------------------------------------------------------------------
+# Toctree: a new page never breaks the build
+# ---------------------------------------------------------------------------
+
+@pytest.fixture(scope='module')
+def conf():
+    old = os.environ.get('CHAINERMN_OVERLAP_DOCS_OFFLINE')
+    os.environ['CHAINERMN_OVERLAP_DOCS_OFFLINE'] = '1'
+    try:
+        return runpy.run_path(os.path.join(DOCS, 'conf.py'))
+    finally:
+        if old is None:
+            del os.environ['CHAINERMN_OVERLAP_DOCS_OFFLINE']
+        else:
+            os.environ['CHAINERMN_OVERLAP_DOCS_OFFLINE'] = old
+
+
+def test_every_page_is_in_the_index_toctrees(conf):
+    # A page added without its toctree line still builds ("More topics"),
+    # but the pages of this checkout each have their place.
+    assert conf['_unlisted_pages'](_read('docs', 'index.md')) == []
+
+
+def test_a_new_page_is_added_to_more_topics(conf):
+    index = _read('docs', 'index.md')
+    without = index.replace('\ndistconv\n', '\n')
+    assert conf['_unlisted_pages'](without) == ['distconv']
+    source = [without]
+    conf['_add_unlisted'](None, 'index', source)
+    assert ':caption: More topics' in source[0]
+    assert 'distconv' in conf['_toctree_entries'](source[0])
+    assert conf['intersphinx_mapping'] == {}   # offline: no inventories

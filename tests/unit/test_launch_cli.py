@@ -1,0 +1,121 @@
+"""The launcher as a user starts it: what it prints and when it restarts.
+
+Small jobs (a few lines of Python, 2 ranks) under ``python -m
+chainermn_overlap.launch``: a rank SIGKILLed (the launcher's per-rank parent
+must pass the signal on without a traceback of its own), an interpreter
+named as the first word after ``--`` (as ``mpiexec`` users write it), and a
+job whose every rank fails the same way before MPI is initialised (no
+restart can help: the launcher says so and exits at once).
+"""
+import os
+import re
+import signal
+import subprocess
+import sys
+
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(HERE))
+MPIEXEC = os.path.join(os.path.dirname(sys.executable), 'mpiexec')
+
+pytestmark = pytest.mark.skipif(not os.path.exists(MPIEXEC),
+                                reason='needs mpiexec next to the Python')
+
+# Rank 1 SIGKILLs itself on the first attempt, after MPI is initialised;
+# the second attempt succeeds.
+KILLED = '''
+import os, signal, sys
+from mpi4py import MPI
+comm = MPI.COMM_WORLD
+comm.Barrier()
+if os.environ["CHAINERMN_OVERLAP_RESTART"] == "0" and comm.rank == 1:
+    os.kill(os.getpid(), signal.SIGKILL)
+comm.Barrier()
+sys.stdout.write("job: rank {} done\\n".format(comm.rank))
+'''
+
+OK = '''
+import sys
+from mpi4py import MPI
+sys.stdout.write("job: rank {} of {} ran {}\\n".format(
+    MPI.COMM_WORLD.rank, MPI.COMM_WORLD.size, sys.argv[1:]))
+'''
+
+
+def _env():
+    # `python` is this environment's, as in an activated virtualenv.
+    env = dict(os.environ, OMP_NUM_THREADS='1', PYTHONPATH=ROOT,
+               PATH=os.path.dirname(sys.executable) + os.pathsep
+               + os.environ.get('PATH', ''))
+    for name in ('CHAINERMN_OVERLAP_RESTART',
+                 'CHAINERMN_OVERLAP_PROGRESS_FILE'):
+        env.pop(name, None)
+    return env
+
+
+def launch(args, limit=90):
+    cmd = [sys.executable, '-m', 'chainermn_overlap.launch'] + list(args)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, env=_env(), text=True,
+                            cwd=ROOT, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=limit)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        pytest.fail('the launcher did not end within {} s:\n{}'.format(
+            limit, out))
+    return proc.returncode, out
+
+
+def attempts(out):
+    return re.findall(r'attempt (\d+): starting', out)
+
+
+def test_sigkilled_rank_is_reported_without_a_launcher_traceback(tmp_path):
+    script = tmp_path / 'killed.py'
+    script.write_text(KILLED)
+    code, out = launch(['-n', '2', '--backoff', '0.1', '--', str(script)])
+    # The fault happened: rank 1 died of SIGKILL on attempt 0.
+    assert re.search(r'attempt 0 \(2 ranks\) ended after [\d.]+ s: rank 1 '
+                     r'\S*.*killed by SIGKILL', out), out
+    assert code == 0 and 'job: rank 1 done' in out, out
+    # The per-rank parent died of the same signal: mpiexec saw signal 9,
+    # not the exit code 1 of a crashed parent, and nothing printed a
+    # traceback.
+    assert 'Traceback' not in out and 'OSError' not in out, out
+    assert 'mpiexec exit code 9' in out, out
+
+
+def test_interpreter_as_the_first_word(tmp_path):
+    script = tmp_path / 'ok.py'
+    script.write_text(OK)
+    code, out = launch(['-n', '2', '--', 'python', str(script), '--x', '1'])
+    assert code == 0, out
+    assert attempts(out) == ['0'], out
+    for r in (0, 1):
+        assert "job: rank {} of 2 ran ['--x', '1']".format(r) in out, out
+
+
+def test_the_same_failure_on_every_rank_before_mpi_init_is_not_retried(
+        tmp_path):
+    # A script that fails before it imports MPI, on every rank alike.
+    script = tmp_path / 'broken.py'
+    script.write_text('import sys\nsys.stderr.write("broken: no config\\n")\n'
+                      'sys.exit(3)\n')
+    code, out = launch(['-n', '2', '--max-restarts', '3', '--backoff', '0.1',
+                        '--', str(script)])
+    assert code == 3, out
+    assert attempts(out) == ['0'], out
+    assert re.search(r'every rank \(2 of 2\) exited with code 3 before '
+                     r'initialising MPI', out), out
+    assert 'not restarting' in out and 'broken: no config' in out, out
+    assert 'Traceback' not in out, out
+
+
+def test_a_missing_script_is_refused_before_any_attempt(tmp_path):
+    code, out = launch(['-n', '2', '--', str(tmp_path / 'nope.py')])
+    assert code == 2, out
+    assert 'no such script' in out and 'nope.py' in out, out
+    assert attempts(out) == [], out
