@@ -19,9 +19,18 @@ finishes its own fetches before it closes an iteration, and the updates of
 a closed iteration start only once every rank closed it (a collective of
 the round), so no request can ask for a version an owner has already left.
 
-The server waits by testing between short sleeps (10-250 us), as the
-engines' sleeping waits do, longer ones when it has been idle, so an idle
-server costs almost no CPU.
+Each fetch receives its answers under a tag of its own, which its request
+names: an answer can only land in the fetch that asked for it, whatever
+order the owners answer in (an answer deferred for its version may be sent
+after a later request's).
+
+One thread per process listens for the requests of every server of the
+process (:class:`_Listener`): a process that made many optimizers, most of
+them dropped and not yet collected, still has one thread waking, not one
+per optimizer contending for the interpreter lock.  It waits by testing
+between short sleeps (10-250 us), as the engines' sleeping waits do, and
+tests a server that has been idle less often, so an idle server costs
+almost no CPU.
 """
 import logging
 import threading
@@ -32,14 +41,18 @@ import numpy
 __all__ = ['Fetch', 'ShardServer']
 
 _REQUEST = 1
-_DATA = 2   # + bucket index
+_DATA = 2   # + the fetch's sequence number, modulo the span below
+# Tags of answers cycle through this many values (at most; MPI guarantees
+# tags up to 32767).  A rank has a few fetches in flight at a time, all
+# finished before its iteration closes, so a tag is long free when reused.
+_TAG_SPAN = 1 << 20
 _MIN_SLEEP = 10e-6
 _MAX_SLEEP = 250e-6
-# An idle server sleeps longer between tests: up to 1 ms after 20 ms
-# without a request, up to 20 ms after 1 s (a server of an optimizer that
-# is no longer used then costs next to nothing until it is collected; the
-# first request after such a pause waits that much longer).
-_IDLE_STEPS = ((1.0, 20e-3), (0.02, 1e-3))
+# An idle server is tested less often: every 1 ms at most after 20 ms
+# without a request, 20 ms after 1 s, 100 ms after 10 s (a server of an
+# optimizer that is no longer used then costs next to nothing until it is
+# collected; the first request after such a pause waits that much longer).
+_IDLE_STEPS = ((10.0, 100e-3), (1.0, 20e-3), (0.02, 1e-3))
 # A request deferred this long (its version not reached) is logged once:
 # the requester is then usually stuck too, and its timeout says less.
 _DEFERRED_WARNING_S = 30.0
@@ -56,8 +69,9 @@ class Fetch(object):
     """A bucket being fetched: ``wait()`` returns the whole flat array."""
 
     def __init__(self, bucket, full, requests, own, version=None,
-                 owners=()):
+                 owners=(), tag=None):
         self.bucket = bucket
+        self.tag = tag   # the tag its answers come under
         self.full = full
         self.requests = requests
         self._own = own   # callable filling this rank's piece, or None
@@ -94,6 +108,55 @@ class Fetch(object):
         return self.full
 
 
+class _Listener(object):
+    """The thread that receives the requests of every server of this
+    process; it runs while one server listens."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._servers = []
+        self._thread = None
+        self._wake = threading.Event()
+
+    def add(self, server):
+        with self._lock:
+            self._servers.append(server)
+            if self._thread is None:
+                self._thread = threading.Thread(
+                    target=self._run, daemon=True,
+                    name='chainermn_overlap-shards')
+                self._thread.start()
+        self._wake.set()
+
+    def wake(self):
+        self._wake.set()
+
+    def _run(self):
+        while True:
+            with self._lock:
+                servers = list(self._servers)
+                if not servers:
+                    self._thread = None
+                    return
+            now = time.perf_counter()
+            next_at = now + 1.0
+            for server in servers:
+                if server._closed:
+                    server._stop_listening()
+                    with self._lock:
+                        self._servers.remove(server)
+                    continue
+                if now >= server._next_poll:
+                    server._poll(now)
+                next_at = min(next_at, server._next_poll)
+            delay = next_at - time.perf_counter()
+            if delay > 0 and self._wake.wait(delay):
+                self._wake.clear()
+
+
+_LISTENER = _Listener()
+
+
 class ShardServer(object):
     """Serves this rank's pieces of each bucket; fetches the others'.
 
@@ -108,12 +171,24 @@ class ShardServer(object):
         self._cond = threading.Condition()
         self._pieces = {}      # bucket index -> this rank's piece
         self._version = {}     # bucket index -> updates applied to it
-        self._pending = {}     # bucket index -> [(source, version)]
+        self._pending = {}     # index -> [(source, version, tag, since)]
         self._sends = {}       # bucket index -> [request]
         self._closed = False
-        self._thread = threading.Thread(target=self._serve, daemon=True,
-                                        name='chainermn_overlap-shards')
-        self._thread.start()
+        self._seq = 0          # fetches started by this rank
+        tag_ub = self.comm.Get_attr(_mpi().TAG_UB) or 32767
+        self._tag_span = max(1, min(_TAG_SPAN, tag_ub - _DATA))
+        self._debug = _log.isEnabledFor(logging.DEBUG)
+        # The listening side, driven by the process's listener thread.
+        MPI = _mpi()
+        self._buf = numpy.empty(3, dtype=numpy.int64)
+        self._status = MPI.Status()
+        self._req = self.comm.Irecv(self._buf, source=MPI.ANY_SOURCE,
+                                    tag=_REQUEST)
+        self._delay = _MIN_SLEEP
+        self._last = self._next_poll = time.perf_counter()
+        self._stopped = threading.Event()
+        self._freed = False
+        _LISTENER.add(self)
 
     # -- the owner's side ------------------------------------------------
 
@@ -125,8 +200,8 @@ class ShardServer(object):
             self._sends.setdefault(index, [])
             # Requests that came before the piece did.
             waiting, self._pending[index] = self._pending.get(index, []), []
-            for source, v, _ in waiting:
-                self._answer(index, source, v)
+            for source, v, tag, _ in waiting:
+                self._answer(index, source, v, tag)
 
     def reset(self):
         """Forgets every piece (a new layout publishes its own)."""
@@ -154,54 +229,59 @@ class ShardServer(object):
         with self._cond:
             self._version[index] += 1
             waiting, self._pending[index] = self._pending[index], []
-            for source, version, _ in waiting:
-                self._answer(index, source, version)
+            for source, version, tag, _ in waiting:
+                self._answer(index, source, version, tag)
 
     def version(self, index):
         with self._cond:
             return self._version[index]
 
-    def _answer(self, index, source, version):
+    def _answer(self, index, source, version, tag):
         # Called with the lock held.  A bucket not published yet (this
         # rank is behind the requester) or not updated yet: answer later.
-        if self._version.get(index, -1) < version:
+        have = self._version.get(index, -1)
+        if have < version:
+            if self._debug:
+                _log.debug('rank %d: defers rank %d\'s request for bucket %d '
+                           'version %d (tag %d): has version %d', self.rank,
+                           source, index, version, tag, have)
             self._pending.setdefault(index, []).append(
-                (source, version, time.perf_counter()))
+                (source, version, tag, time.perf_counter()))
             return
+        if self._debug:
+            _log.debug('rank %d: answers rank %d: bucket %d version %d '
+                       '(asked %d, tag %d)', self.rank, source, index, have,
+                       version, tag)
         self._sends[index].append(self.comm.Isend(
-            self._pieces[index], dest=source, tag=_DATA + index))
+            self._pieces[index], dest=source, tag=tag))
 
-    def _serve(self):
+    def _poll(self, now):
+        """Answers the requests that arrived (the listener's thread)."""
         MPI = _mpi()
-        buf = numpy.empty(2, dtype=numpy.int64)
-        status = MPI.Status()
-        req = self.comm.Irecv(buf, source=MPI.ANY_SOURCE, tag=_REQUEST)
-        delay, last = _MIN_SLEEP, time.perf_counter()
-        while True:
-            if req.Test(status):
-                with self._cond:
-                    self._answer(int(buf[0]), status.Get_source(),
-                                 int(buf[1]))
-                req = self.comm.Irecv(buf, source=MPI.ANY_SOURCE,
-                                      tag=_REQUEST)
-                delay, last = _MIN_SLEEP, time.perf_counter()
-                continue
-            if self._closed:
-                req.Cancel()
-                req.Wait()
-                return
-            self._warn_deferred()
-            time.sleep(delay)
-            idle = time.perf_counter() - last
-            cap = next((c for after, c in _IDLE_STEPS if idle > after),
-                       _MAX_SLEEP)
-            delay = min(2 * delay, cap)
+        while self._req.Test(self._status):
+            with self._cond:
+                self._answer(int(self._buf[0]), self._status.Get_source(),
+                             int(self._buf[1]), int(self._buf[2]))
+            self._req = self.comm.Irecv(self._buf, source=MPI.ANY_SOURCE,
+                                        tag=_REQUEST)
+            self._delay, self._last = _MIN_SLEEP, now
+        self._warn_deferred()
+        idle = now - self._last
+        cap = next((c for after, c in _IDLE_STEPS if idle > after),
+                   _MAX_SLEEP)
+        self._delay = min(2 * self._delay, cap)
+        self._next_poll = now + self._delay
+
+    def _stop_listening(self):
+        self._req.Cancel()
+        self._req.Wait()
+        self._stopped.set()
 
     def _warn_deferred(self):
         now = time.perf_counter()
         with self._cond:
             for index, waiting in self._pending.items():
-                for i, (source, version, since) in enumerate(waiting):
+                for i, (source, version, tag, since) in enumerate(waiting):
                     if since is not None and now - since > \
                             _DEFERRED_WARNING_S:
                         _log.warning(
@@ -209,7 +289,7 @@ class ShardServer(object):
                             '%d %.0f s ago; this rank has applied %s updates '
                             'to it', self.rank, source, index, version,
                             now - since, self._version.get(index))
-                        waiting[i] = (source, version, None)
+                        waiting[i] = (source, version, tag, None)
 
     # -- the requester's side --------------------------------------------
 
@@ -228,27 +308,34 @@ class ShardServer(object):
         """
         full = numpy.empty(bucket.plan.nelems, dtype=bucket.param_dtype)
         requests, owners = [], []
+        tag = _DATA + self._seq % self._tag_span
+        self._seq += 1
+        msg = numpy.array([bucket.index, version, tag], dtype=numpy.int64)
         for r, (a, b) in enumerate(bucket.bounds):
             if r == self.rank or a == b:
                 continue
             owners.append(r)
-            requests.append(self.comm.Irecv(full[a:b], source=r,
-                                            tag=_DATA + bucket.index))
-            msg = numpy.array([bucket.index, version], dtype=numpy.int64)
+            requests.append(self.comm.Irecv(full[a:b], source=r, tag=tag))
             requests.append(self.comm.Isend(msg, dest=r, tag=_REQUEST))
-        return Fetch(bucket, full, requests, own, version, owners)
+        if self._debug:
+            _log.debug('rank %d: fetches bucket %d version %d from %s '
+                       '(tag %d)', self.rank, bucket.index, version, owners,
+                       tag)
+        return Fetch(bucket, full, requests, own, version, owners, tag)
 
     def stop(self):
-        """Lets the server thread end, without waiting (an optimizer that
-        was dropped without ``close()``)."""
+        """Stops listening, without waiting (an optimizer that was dropped
+        without ``close()``)."""
         self._closed = True
+        _LISTENER.wake()
 
     def close(self):
-        """Stops the server thread and frees its communicator."""
-        if self._closed and not self._thread.is_alive():
+        """Stops listening and frees the communicator."""
+        if self._freed:
             return
-        self._closed = True
-        self._thread.join(5.0)
+        self._freed = True
+        self.stop()
+        self._stopped.wait(5.0)
         for sends in self._sends.values():
             for r in sends:
                 r.Wait()
