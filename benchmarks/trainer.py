@@ -27,6 +27,7 @@ when told to, so that another job (another revision, a peer framework) runs
 its rounds in between; otherwise it runs its rounds by itself and rank 0
 prints the result line.
 """
+import os
 import sys
 import time
 
@@ -224,8 +225,22 @@ class Job(object):
             runner.close()
 
 
+def _debug_logging():
+    # CHAINERMN_OVERLAP_BENCH_DEBUG=1: the library's debug records (the
+    # shard server's requests and answers among them) on stderr, which a
+    # failed job's log keeps.
+    if os.environ.get('CHAINERMN_OVERLAP_BENCH_DEBUG'):
+        import logging
+        logging.basicConfig(
+            level=logging.WARNING,
+            format='%(relativeCreated)9.1f %(threadName)s %(name)s: '
+                   '%(message)s')
+        logging.getLogger('chainermn_overlap').setLevel(logging.DEBUG)
+
+
 def worker(cfg):
     """Runs the job; rank 0 prints the result line (see the module)."""
+    _debug_logging()
     job = Job(cfg)
     try:
         if turns.TurnClient.active():

@@ -92,16 +92,19 @@ class Fetch(object):
         delay, t0 = _MIN_SLEEP, time.perf_counter()
         while self.requests and not MPI.Request.Testall(self.requests):
             if timeout and time.perf_counter() - t0 > timeout:
-                missing = sorted({
-                    r for r, req in zip(
-                        [o for o in self.owners for _ in (0, 1)],
-                        self.requests) if not req.Test()})
+                # requests: (answer receive, request send) per owner.
+                pairs = list(zip(self.owners, self.requests[0::2],
+                                 self.requests[1::2]))
+                missing = [r for r, recv, _ in pairs if not recv.Test()]
+                unsent = [r for r, _, send in pairs if not send.Test()]
                 raise RuntimeError(
-                    'fetching the parameters of bucket {} (version {}) from '
-                    'their owners took more than {:.0f} s; no answer from '
-                    'rank(s) {}: a rank stopped answering (it died, hangs, '
-                    'or its link is down).'.format(
-                        self.bucket.index, self.version, timeout, missing))
+                    'fetching the parameters of bucket {} (version {}, tag '
+                    '{}) from their owners took more than {:.0f} s; no '
+                    'answer from rank(s) {}{}: a rank stopped answering (it '
+                    'died, hangs, or its link is down).'.format(
+                        self.bucket.index, self.version, self.tag, timeout,
+                        missing, ' (the request to rank(s) {} not even sent)'
+                        .format(unsent) if unsent else ''))
             time.sleep(delay)
             delay = min(2 * delay, _MAX_SLEEP)
         self.requests = []
@@ -179,11 +182,15 @@ class ShardServer(object):
         self._tag_span = max(1, min(_TAG_SPAN, tag_ub - _DATA))
         self._debug = _log.isEnabledFor(logging.DEBUG)
         # The listening side, driven by the process's listener thread.
-        MPI = _mpi()
-        self._buf = numpy.empty(3, dtype=numpy.int64)
-        self._status = MPI.Status()
-        self._req = self.comm.Irecv(self._buf, source=MPI.ANY_SOURCE,
-                                    tag=_REQUEST)
+        # One receive per other rank, not one from MPI_ANY_SOURCE: with
+        # MPICH 5 (ch4, UCX, MPIR_CVAR_NOLOCAL=1) an any-source receive
+        # posted again and again stopped matching requests that had
+        # arrived, a few iterations into a ResNet-50 job, on both ranks at
+        # once; receives from named sources did not.
+        peers = [r for r in range(self.comm.Get_size()) if r != rank]
+        self._bufs = [numpy.empty(3, dtype=numpy.int64) for _ in peers]
+        self._peers = peers
+        self._reqs = [self._listen(i) for i in range(len(peers))]
         self._delay = _MIN_SLEEP
         self._last = self._next_poll = time.perf_counter()
         self._stopped = threading.Event()
@@ -258,12 +265,16 @@ class ShardServer(object):
     def _poll(self, now):
         """Answers the requests that arrived (the listener's thread)."""
         MPI = _mpi()
-        while self._req.Test(self._status):
-            with self._cond:
-                self._answer(int(self._buf[0]), self._status.Get_source(),
-                             int(self._buf[1]), int(self._buf[2]))
-            self._req = self.comm.Irecv(self._buf, source=MPI.ANY_SOURCE,
-                                        tag=_REQUEST)
+        while self._reqs:
+            done = MPI.Request.Testsome(self._reqs)
+            if not done:
+                break
+            for i in done:
+                buf = self._bufs[i]
+                with self._cond:
+                    self._answer(int(buf[0]), self._peers[i], int(buf[1]),
+                                 int(buf[2]))
+                self._reqs[i] = self._listen(i)
             self._delay, self._last = _MIN_SLEEP, now
         self._warn_deferred()
         idle = now - self._last
@@ -272,9 +283,14 @@ class ShardServer(object):
         self._delay = min(2 * self._delay, cap)
         self._next_poll = now + self._delay
 
+    def _listen(self, i):
+        return self.comm.Irecv(self._bufs[i], source=self._peers[i],
+                               tag=_REQUEST)
+
     def _stop_listening(self):
-        self._req.Cancel()
-        self._req.Wait()
+        for req in self._reqs:
+            req.Cancel()
+        _mpi().Request.Waitall(self._reqs)
         self._stopped.set()
 
     def _warn_deferred(self):
