@@ -185,8 +185,8 @@ class ShardServer(object):
         # One receive per other rank, not one from MPI_ANY_SOURCE: with
         # MPICH 5 (ch4, UCX, MPIR_CVAR_NOLOCAL=1) an any-source receive
         # posted again and again stopped matching requests that had
-        # arrived, a few iterations into a ResNet-50 job, on both ranks at
-        # once; receives from named sources did not.
+        # arrived, a few iterations into a ResNet-50 job (5 runs of 5);
+        # receives from named sources did not (3 runs of 3).
         peers = [r for r in range(self.comm.Get_size()) if r != rank]
         self._bufs = [numpy.empty(3, dtype=numpy.int64) for _ in peers]
         self._peers = peers
