@@ -1,20 +1,6 @@
-"""The table machinery of the performance pages (see :mod:`benchtables`).
-
-Each table is a function of the results directory registered under a name
-with :func:`table`; ``docs/performance.md`` shows one with
-
-.. code-block:: markdown
-
-    ```{bench-table} overlap
-    ```
-
-and the machine a result file was measured on with ``{bench-machine}
-overlap.json``.  A benchmark rerun that rewrites its JSON therefore updates
-its table at the next ``make docs``; a result file that lost a key the
-table reads fails the build (a warning, an error under ``-W``) rather than
-showing a stale figure.  :func:`figures` gives the few numbers the prose
-and the README quote, by name (``{{ overlap_forward }}`` in MyST pages, and
-``tests/unit/test_docs.py`` checks the README's against them).
+"""The table machinery of the performance pages: the registry of tables
+(:func:`table`) and the helpers the tables share.  What the tables are
+for and how a page shows them is in :mod:`benchtables`'s docstring.
 
 The functions here need only the standard library, so tests import them
 without Sphinx.
