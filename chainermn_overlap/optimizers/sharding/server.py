@@ -78,11 +78,6 @@ class Fetch(object):
         self.version = version
         self.owners = list(owners)   # the rank of each (receive, request)
 
-    def done(self):
-        MPI = _mpi()
-        return self._own is None and (not self.requests
-                                      or MPI.Request.Testall(self.requests))
-
     def wait(self, timeout):
         """Blocks until every piece arrived; raises after ``timeout`` s."""
         MPI = _mpi()
@@ -238,10 +233,6 @@ class ShardServer(object):
             waiting, self._pending[index] = self._pending[index], []
             for source, version, tag, _ in waiting:
                 self._answer(index, source, version, tag)
-
-    def version(self, index):
-        with self._cond:
-            return self._version[index]
 
     def _answer(self, index, source, version, tag):
         # Called with the lock held.  A bucket not published yet (this
