@@ -96,6 +96,25 @@ def abort_job(reason: str, code: int = ABORT_CODE) -> NoReturn:
     os._exit(code)
 
 
+def _message(value, limit=200):
+    """' (first line of the message)' or '': for the abort line.
+
+    The traceback's own last line may reach the launcher interleaved with
+    other ranks' output (each rank writes it in pieces); the abort line is
+    one write, so its copy of the message arrives whole.
+    """
+    try:
+        text = str(value).strip().splitlines()
+    except Exception:  # a broken __str__ must not stop the abort
+        return ''
+    if not text:
+        return ''
+    first = text[0].strip()
+    if len(first) > limit:
+        first = first[:limit - 3] + '...'
+    return ' ({})'.format(first)
+
+
 def _excepthook(exctype, value, tb):
     previous = _installed[0] if _installed else sys.__excepthook__
     rank, _ = _world_rank()
@@ -104,7 +123,8 @@ def _excepthook(exctype, value, tb):
                          '{}:\n'.format('?' if rank is None else rank))
         previous(exctype, value, tb)
     finally:
-        abort_job('raised an uncaught {}'.format(exctype.__name__))
+        abort_job('raised an uncaught {}{}'.format(exctype.__name__,
+                                                   _message(value)))
 
 
 def _thread_excepthook(args):
@@ -120,8 +140,8 @@ def _thread_excepthook(args):
         traceback.print_exception(args.exc_type, args.exc_value,
                                   args.exc_traceback)
     finally:
-        abort_job('raised an uncaught {} in a thread'.format(
-            args.exc_type.__name__))
+        abort_job('raised an uncaught {}{} in a thread'.format(
+            args.exc_type.__name__, _message(args.exc_value)))
 
 
 def enable_abort_on_exception(threads: bool = True) -> None:

@@ -56,14 +56,8 @@ class Output(object):
                 m = pattern.search(line)
                 if not m:
                     continue
-                # The first report of each kind wins; error lines are all
-                # kept (a few), to find the one of the exception that
-                # aborted.
-                if key == 'error_line':
-                    lines = self.facts.setdefault('error_lines', [])
-                    if len(lines) < 50:
-                        lines.append(m.groups())
-                elif key not in self.facts:
+                # The first report of each kind wins.
+                if key not in self.facts:
                     self.facts[key] = m.groups()
         return True
 

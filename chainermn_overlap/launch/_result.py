@@ -12,8 +12,9 @@ from chainermn_overlap.launch._procs import signal_name as _signal_name
 # What ranks and mpiexec write when an attempt fails (MPICH/Hydra and
 # chainermn_overlap.abort); used to say why in one line.
 PATTERNS = [
+    # The message in parentheses: greedy, so one holding ') ' stays whole.
     ('abort', re.compile(r'chainermn_overlap: rank (\d+) raised an uncaught '
-                         r'(\w+)')),
+                         r'(\w+)(?: \((.*)\))?(?: in a thread)?; calling')),
     ('mpi_abort', re.compile(r'MPI_Abort\(MPI_COMM_WORLD, (\d+)\) - process '
                              r'(\d+)')),
     ('timeout', re.compile(r'rank (\d+): timed out after ([\d.]+ s) waiting '
@@ -24,14 +25,16 @@ PATTERNS = [
     ('ssh_closed', re.compile(r'Connection to (\S+) closed by remote host')),
     ('bad_code', re.compile(r'=\s+EXIT CODE: (\d+)')),
     ('exit_string', re.compile(r'EXIT STRING: (.*)$')),
-    ('error_line', re.compile(r'^(?:\[\d+\]\s*)?([A-Za-z_][\w.]*(?:Error|'
-                              r'Exception|Timeout|Interrupt)): (.{1,160})')),
 ]
 
 
-def _short(text, limit=80):
-    text = text.strip().split(' (')[0].strip()
+def _cut(text, limit=80):
+    text = text.strip()
     return text if len(text) <= limit else text[:limit - 3] + '...'
+
+
+def _short(text, limit=80):
+    return _cut(text.split(' (')[0], limit)
 
 
 class AttemptResult(object):
@@ -132,12 +135,10 @@ class AttemptResult(object):
                          'watchdog timed out after {} waiting for {}'.format(
                              rank, self._on(rank), waited, _short(what)))
         elif 'abort' in f:
-            rank, exc = f['abort']
+            rank, exc, message = f['abort']
             text = 'rank {}{} raised {}'.format(rank, self._on(rank), exc)
-            for name, message in f.get('error_lines', ()):
-                if name.split('.')[-1] == exc:
-                    text += ' ({})'.format(_short(message))
-                    break
+            if message:
+                text += ' ({})'.format(_cut(message, 120))
             parts.append(text)
         elif 'timeout' in f:
             rank, waited, what = f['timeout']

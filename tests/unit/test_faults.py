@@ -105,6 +105,9 @@ def test_exception_on_one_rank_ends_every_rank():
     # arrive as 'ValueError[1] : [1] injected fault ...': match the pieces.
     assert 'ValueError' in out and 'injected fault on rank 1' in out, out
     assert 'uncaught exception on rank 1' in out, out
+    # The abort line is one write: its copy of the message arrives whole.
+    assert ('rank 1 raised an uncaught ValueError (injected fault on rank 1)'
+            '; calling MPI_Abort') in out, out
     assert 'finished' not in out, out
 
 

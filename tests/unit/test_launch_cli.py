@@ -119,3 +119,38 @@ def test_a_missing_script_is_refused_before_any_attempt(tmp_path):
     assert code == 2, out
     assert 'no such script' in out and 'nope.py' in out, out
     assert attempts(out) == [], out
+
+
+def test_the_reason_takes_the_message_from_the_abort_line():
+    # Four ranks raising at once: mpiexec copies each rank's stderr in the
+    # pieces the rank wrote, so a traceback's last line can reach the
+    # launcher cut into by another rank's traceback (seen in CI:
+    # 'RuntimeError:   File "job.py", line 318, in <module>').  The abort
+    # line is one write and carries the message whole.
+    from chainermn_overlap.launch._attempt import Output
+    from chainermn_overlap.launch._result import AttemptResult
+    output = Output()
+    for line in [
+            'Traceback (most recent call last):',
+            'RuntimeError:   File "job.py", line 318, in <module>',
+            '  File "job.py", line 120, in main',
+            'RuntimeError: simulated lost node: attempt 1 cannot run on 4 '
+            'ranks',
+            '',
+            'chainermn_overlap: rank 2 raised an uncaught RuntimeError '
+            '(simulated lost node: attempt 1 cannot run on 4 ranks); '
+            'calling MPI_Abort to end every rank of the job.',
+            'chainermn_overlap: rank 0 raised an uncaught RuntimeError '
+            '(other); calling MPI_Abort to end every rank of the job.']:
+        output.feed(line)
+    reason = AttemptResult(1, 4, 1, 2.0, output, {}, False).reason()
+    assert reason.startswith(
+        'rank 2 raised RuntimeError (simulated lost node: attempt 1 cannot '
+        'run on 4 ranks)'), reason
+    # In a thread, and a message holding parentheses.
+    output = Output()
+    output.feed('chainermn_overlap: rank 1 raised an uncaught ValueError '
+                '(bad (x)) in a thread; calling MPI_Abort to end every rank '
+                'of the job.')
+    reason = AttemptResult(0, 2, 1, 2.0, output, {}, False).reason()
+    assert reason.startswith('rank 1 raised ValueError (bad (x))'), reason
