@@ -135,6 +135,11 @@ class UpdatePolicy(object):
         """The iteration's step is dropped (a relayout): every item of its
         round is already posted, nothing to do."""
 
+    def wait_posted(self, bucket):
+        """A bucket posted in the open iteration: its reduction finishes
+        and its result stays for ``update()``."""
+        bucket.handle.wait()
+
     def complete_in_update(self):
         """ChainerMN semantics: mean gradients in param.grad, then update."""
         self.reducer.mean_grads_to_params(self.infos)

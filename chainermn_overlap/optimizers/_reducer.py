@@ -208,6 +208,9 @@ class BucketReducer(object):
         # changed after it was sent); not where gradients are released.
         self.keep_packed = True
         self.before_new_buffer = lambda: None
+        # Called with each bucket just after it is posted (sharded: its
+        # update may be posted at once).
+        self.after_post = lambda bucket: None
         self.buckets = []
         self.next_post = 0
         self._scratch = {}
@@ -285,6 +288,7 @@ class BucketReducer(object):
         bucket.finalized = False
         self.timeline.instant('post bucket {}'.format(bucket.index), 'post',
                               args={'label': bucket.label()})
+        self.after_post(bucket)
 
     def wait_bucket(self, bucket):
         """Waits for a posted bucket; leaves the mean in its buffer."""

@@ -70,7 +70,7 @@ class _OverlapState(object):
     def __init__(self, actual, communicator, wait, bucket_size, zero_fill,
                  allreduce_grad_dtype, backend, backend_options,
                  timeline=None, compression=None, shard=None,
-                 shard_unit='element'):
+                 shard_unit='element', shard_update='backward'):
         self.actual = actual
         self.communicator = communicator
         self.mpi_comm = communicator.mpi_comm
@@ -113,7 +113,10 @@ class _OverlapState(object):
             self.policy = cls(
                 actual, wait, self.reducer, self.timeline, self.rank,
                 shard_unit, shard != 'optimizer', self.mpi_comm,
-                iteration=lambda: self.tracker.iteration)
+                iteration=lambda: self.tracker.iteration,
+                control=lambda: self.layout.control,
+                update_at=shard_update)
+            self.reducer.after_post = self.policy.after_post
         self.tracker = GradientTracker(
             self.rank, self.timeline, on_ready=self._on_ready,
             on_backward_start=self._on_backward_start,
@@ -320,7 +323,7 @@ class _OverlapState(object):
         for bucket in self.reducer.buckets:
             if bucket.posted:
                 # Posted in the open iteration: let it finish, keep result.
-                bucket.handle.wait()
+                self.policy.wait_posted(bucket)
             elif bucket.handle is not None:
                 self._flush_bucket(bucket)
         if self.shard == 'parameters':
@@ -416,7 +419,10 @@ class _OverlappedOptimizer(_wrapper.OptimizerWrapper):
 SHARD_MODES = (None, 'optimizer', 'gradients', 'parameters')
 
 
-def _check_shard(shard, shard_unit, compression, backend):
+def _check_shard(shard, shard_unit, shard_update, compression, backend):
+    if shard_update not in ('backward', 'update'):
+        raise ValueError("shard_update must be 'backward' or 'update', got "
+                         '{!r}'.format(shard_update))
     if shard not in SHARD_MODES:
         raise ValueError(
             "shard must be None, 'optimizer', 'gradients' or 'parameters', "
@@ -450,7 +456,8 @@ def create_overlapped_optimizer(
         debug: Optional[bool] = None,
         compression: Optional[PowerSGD] = None,
         shard: Optional[str] = None,
-        shard_unit: str = 'element') -> '_OverlappedOptimizer':
+        shard_unit: str = 'element',
+        shard_update: str = 'backward') -> '_OverlappedOptimizer':
     """Creates a multi-node optimizer that overlaps reduction with compute.
 
     A drop-in for :func:`chainermn.create_multi_node_optimizer`: gradients
@@ -523,14 +530,24 @@ def create_overlapped_optimizer(
             rules' state: each rank updates its piece of every bucket,
             after a reduce-scatter, and the updated parameters are
             allgathered), ``'gradients'`` (also no full gradient is kept:
-            ``param.grad`` is released once packed) or ``None`` (default).
-            The same bytes travel as without it.  Parameters reduced
+            ``param.grad`` is released once packed), ``'parameters'``
+            (also each rank keeps only its piece of the parameters between
+            uses; they are gathered for each link's forward and backward)
+            or ``None`` (default).  The same bytes travel as without it
+            (``'parameters'``: plus the gathers).  Parameters reduced
             within a group (distconv's channel blocks) are not sharded.
             Not with ``compression`` or ``backend='nccl'``.
         shard_unit (str): how buckets are cut between ranks:
             ``'element'`` (default; even pieces, a parameter may be split,
             which needs element-wise update rules and hooks) or
             ``'parameter'`` (whole parameters per rank, any rule).
+        shard_update (str): when ``'optimizer'`` and ``'gradients'``
+            update a bucket's shard and gather it: ``'backward'``
+            (default; as soon as the bucket is reduced, overlapping the
+            rest of backward, with the hyperparameters and hooks the
+            optimizer holds at the first bucket: changing them between
+            backward and ``update()`` raises an error) or ``'update'``
+            (at ``update()``).
 
     Returns:
         The wrapped optimizer.  Attribute access goes to the actual
@@ -542,7 +559,7 @@ def create_overlapped_optimizer(
         raise ValueError("wait must be 'forward' or 'update', got {!r}"
                          .format(wait))
     allreduce_grad_dtype = _wrapper.check_wire_dtype(allreduce_grad_dtype)
-    _check_shard(shard, shard_unit, compression, backend)
+    _check_shard(shard, shard_unit, shard_update, compression, backend)
     if bucket_size is not None:
         bucket_size = config.parse_size(bucket_size)
     elif shard is not None or (
@@ -574,7 +591,7 @@ def create_overlapped_optimizer(
     state = _OverlapState(actual_optimizer, communicator, wait, bucket_size,
                           zero_fill, allreduce_grad_dtype, backend,
                           backend_options, tl, compression, shard,
-                          shard_unit)
+                          shard_unit, shard_update)
     state.watch_options = watch_options
     if tl is not None:
         _TIMELINES.add(state)

@@ -225,6 +225,71 @@ def test_what_is_held_after_update(comm, shard, wait):
     _same_everywhere(comm, not errors, '; '.join(errors[:6]))
 
 
+# ---------------------------------------------------------------------------
+# Updates posted in backward (shard_update='backward', the default).
+
+def _backward(model, opt, batch):
+    model.cleargrads()
+    loss = model(*batch)
+    loss.backward()
+
+
+@pytest.mark.parametrize('wait', WAITS)
+@pytest.mark.parametrize('shard', ['optimizer', 'gradients'])
+@pytest.mark.parametrize('when', ['backward', 'update'])
+def test_when_the_shard_updates_are_posted(comm, shard, wait, when):
+    """With 'backward' every bucket's update is posted before update() and
+    training equals ChainerMN; with 'update' none is, and it equals too."""
+    batches = _batches(21)
+    ref = eq.train(eq.REFERENCE, _template(), _adam, _step(batches), STEPS)
+    model = _template()
+    opt = _make(comm, _adam(), shard, wait=wait,
+                shard_update=when).setup(model)
+    policy = opt._overlap.policy
+    posted = []
+    for it in range(STEPS):
+        _backward(model, opt, batches[it])
+        posted.append(len(policy.posted))
+        opt.update()
+    opt.close()
+    n = len(policy.buckets)
+    # The first update() builds the layout and, as ChainerMN's, only
+    # broadcasts; the second is the first to update (and cuts the states).
+    want = [0, 0] + [n if when == 'backward' else 0] * (STEPS - 2)
+    _same_everywhere(comm, n > 1 and posted == want,
+                     'updates posted before update(): {}, want {}'.format(
+                         posted, want))
+    eq.assert_equivalent(model, ref.model, what='shard_update={!r}'
+                         .format(when), **TOL)
+
+
+@pytest.mark.parametrize('change', ['hyperparameter', 'hook'])
+def test_a_change_between_backward_and_update_raises(comm, change):
+    batches = _batches(22)
+    model = _template()
+    opt = _make(comm, _adam(), 'gradients').setup(model)
+    for it in range(2):
+        opt.update(model, *batches[it])
+    before = {n: p.array.copy() for n, p in model.namedparams()}
+    _backward(model, opt, batches[2])
+    # The fault is real: the shards are updated (and gathered) before
+    # update(), with the alpha the optimizer held in backward.
+    opt.synchronize()
+    moved = all(not np.array_equal(p.array, before[n])
+                for n, p in model.namedparams())
+    _same_everywhere(comm, moved, 'not every parameter was updated in '
+                     'backward')
+    if change == 'hyperparameter':
+        opt.alpha = 0.002
+        match = 'hyperparameter alpha of .*: 0.01 then, 0.002 now'
+    else:
+        opt.add_hook(optimizer_hooks.WeightDecay(1e-4))
+        match = 'the optimizer hooks'
+    with pytest.raises(ValueError, match=match + r".*shard_update='update'"):
+        opt.update()
+    opt.close()
+
+
 def test_one_rank_reads_whole_parameters_alone(comm, tmp_path):
     """shard='parameters': rank 0 alone saves the model; its parameters are
     fetched from the other ranks, which go on training meanwhile."""

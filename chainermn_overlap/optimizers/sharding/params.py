@@ -60,6 +60,8 @@ class ParameterShardedPolicy(sharded.ShardedPolicy):
     # Items of a round besides two per bucket: the collective after which
     # the updates of a closed iteration may start (every rank closed it).
     extra_items = 1
+    # Updates are posted at update(): the owners' versions change there.
+    early = False
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)

@@ -7,8 +7,8 @@ iteration is two items of the engine's round::
     backward (bucket final)  -> A: Reduce_scatter the bucket into this
                                    rank's piece of the mean; the bucket's
                                    full buffer is released
-    update() (iteration closed) -> B: run the update rules on the piece
-                                   (:mod:`.rules`), then Allgatherv the
+    right after A is posted  -> B: run the update rules on the piece
+    (or at update())               (:mod:`.rules`), then Allgatherv the
                                    updated parameters into every rank
 
 Both run on the communication thread, in an order every rank agrees on
@@ -18,11 +18,25 @@ reduced before it is updated and the first layers' parameters, which the
 next forward needs first, are gathered first with ``wait='forward'``).
 With ``wait='forward'`` a link's forward waits for its bucket's B; with
 ``wait='update'``, ``update()`` waits for every B.
+
+B is posted as soon as A is (``update_at='backward'``, the default), so
+the updates and gathers overlap the rest of backward, not only the next
+forward.  That needs what the update runs with to be known in backward:
+the rules' hyperparameters and the optimizer hooks are frozen at the
+first bucket (:class:`.rules.Snapshot`) and checked at ``update()``, and B
+runs only if the round's control message (item 0, run before any B) found
+the layout unchanged; otherwise B does nothing and ``update()`` rebuilds
+the layout as without sharding.  ``GradientClipping`` needs every shard
+first: with it, every B is posted at ``update()`` (``update_at='update'``
+always does so).
 """
 import numpy
 
 import chainer
 
+from chainermn_overlap.communication import watchdog
+from chainermn_overlap.errors import CollectiveMismatchError
+from chainermn_overlap.optimizers import _layout
 from chainermn_overlap.optimizers.sharding import collectives
 from chainermn_overlap.optimizers.sharding import layout as shard_layout
 from chainermn_overlap.optimizers.sharding import rules
@@ -77,6 +91,28 @@ class ReduceScatterMean(object):
         pass
 
 
+def _gated(fn, noop, control, bucket, rank, size):
+    """A B posted in backward: ``fn`` if the round's control message found
+    the layout unchanged and agreed on, else ``noop`` (``update()`` then
+    rebuilds the layout, or raises the disagreement)."""
+    buf, handle = control
+
+    def gated(comm, array):
+        # The control message is item 0 with the highest priority: on
+        # every rank it ran before any B of its round.
+        if not handle.done():
+            raise RuntimeError('the update of {} ran before the control '
+                               'message of its round'.format(bucket.label()))
+        agreed = int(buf[0]) == _layout.UNCHANGED
+        if agreed:
+            try:
+                watchdog.check_control(buf, rank, size)
+            except CollectiveMismatchError:
+                agreed = False
+        return (fn if agreed else noop)(comm, array)
+    return gated
+
+
 class _Piece(object):
     """The part ``lo:hi`` of a parameter this rank owns, at ``at``."""
 
@@ -123,10 +159,18 @@ class ShardedPolicy(object):
         mpi_comm: the communicator's ``mpi_comm`` (the small allreduce of
             a gradient norm).
         iteration (callable): the optimizer's iteration (the round key).
+        control (callable): the round's control message, ``(buffer,
+            handle)``, once posted (gates updates posted in backward).
+        update_at (str): ``'backward'`` or ``'update'`` (module docstring).
     """
 
+    # Whether B may be posted in backward (not with sharded parameters:
+    # their versions change at update()).
+    early = True
+
     def __init__(self, actual, wait, reducer, timeline, rank, unit,
-                 release_grads, mpi_comm, iteration):
+                 release_grads, mpi_comm, iteration, control=None,
+                 update_at='backward'):
         self.actual = actual
         self.wait = wait
         self.reducer = reducer
@@ -136,6 +180,12 @@ class ShardedPolicy(object):
         self.release_grads = release_grads
         self.mpi_comm = mpi_comm
         self.iteration = iteration
+        self.control = control
+        self.update_at = update_at
+        # This iteration's snapshot once made in backward (False: not in
+        # backward this iteration), and the buckets whose B is posted.
+        self.snap = None
+        self.posted = set()
         self.infos = []
         self.buckets = []
         self.pieces = {}
@@ -170,6 +220,9 @@ class ShardedPolicy(object):
             self.pieces[bucket.index] = pieces
         self.pending_count = 0
         self._checked = None
+        # The round that builds a layout posts its updates at update().
+        self.snap = False
+        self.posted = set()
 
     def cut_states(self):
         """Each rule's state becomes its slice's (created if missing)."""
@@ -229,14 +282,45 @@ class ShardedPolicy(object):
     # ------------------------------------------------------------------
     # Closing an iteration
 
+    def after_post(self, bucket):
+        """A of ``bucket`` is posted (backward): post its B now if the
+        update can be known now (see the module docstring)."""
+        if self.snap is None:
+            if (self.update_at != 'backward' or not self.early
+                    or not self.states_sharded or self.control is None
+                    or self.control() is None):
+                self.snap = False
+                return
+            self._check()
+            self.cut_states()
+            snap = rules.Snapshot(self.actual, [i.param for i in self.infos])
+            self.snap = False if snap.global_pre else snap
+        if self.snap:
+            self._post_update(bucket, self.snap, self.control())
+
     def finish_iteration(self, target, immediate=()):
-        """Every bucket's A is posted: post the updates (B) of all."""
-        self._check()
+        """Every bucket's A is posted: post the updates (B) not yet
+        posted."""
         actual = self.actual
         params = [i.param for i in self.infos]
-        # States first: the snapshot's rule copies share them.
-        self.cut_states()
-        snap = rules.Snapshot(actual, params)
+        snap, self.snap = self.snap, None
+        if snap:
+            change = snap.changes(actual, params)
+            if change is not None:
+                self.posted = set()
+                raise ValueError(
+                    '{} changed between backward and update() (rank {}). '
+                    'With shard=, each shard is updated as soon as its '
+                    'gradients are reduced, during backward, with what the '
+                    'optimizer held then: change it before backward (as '
+                    "trainer extensions do), or pass shard_update='update'."
+                    .format(change, self.rank))
+        else:
+            self._check()
+            # States first: the snapshot's rule copies share them.
+            self.cut_states()
+            snap = rules.Snapshot(actual, params)
+        snap.commit()
         actual.t += 1
         in_layout = {id(p) for p in params}
         for p in target.params():
@@ -274,7 +358,9 @@ class ShardedPolicy(object):
 
     def abandon_round(self):
         """The iteration's step is dropped (a relayout): still post every
-        bucket's B, as a no-op, so that the engine's round completes."""
+        bucket's B, as a no-op, so that the engine's round completes (a B
+        posted in backward sees the control message and does nothing)."""
+        self.snap = None
         self._post_updates(None)
         for bucket in self.buckets:
             self._wait(bucket)
@@ -317,21 +403,31 @@ class ShardedPolicy(object):
             proxy.grad *= rate
 
     def _post_updates(self, snap, offset=0):
+        """Posts B of every bucket whose B is not posted yet."""
+        for bucket in self.buckets:
+            if bucket.index not in self.posted:
+                self._post_update(bucket, snap, None, offset)
+        self.posted = set()
+
+    def _post_update(self, bucket, snap, control, offset=0):
         reducer = self.reducer
         engine = reducer.engine
         n = len(reducer.buckets)
         first = reducer.first_item + offset
         iteration = self.iteration()
-        for bucket in self.buckets:
-            prio = bucket.index if self.wait == 'forward' else -bucket.index
-            bucket.update_handle = engine.run(
-                self._update_fn(bucket, snap, _mpi_wait(engine)), _EMPTY,
-                label='update and allgather of {} of iteration {}'.format(
-                    bucket.label(), iteration),
-                slot=(iteration, first + n + bucket.index,
-                      reducer.round_items),
-                priority=prio - 0.5, stage=False,
-                nbytes=bucket.plan.nelems * bucket.param_dtype.itemsize)
+        prio = bucket.index if self.wait == 'forward' else -bucket.index
+        fn = self._update_fn(bucket, snap, _mpi_wait(engine))
+        if control is not None:
+            fn = _gated(fn, self._update_fn(bucket, None, None), control,
+                        bucket, self.rank, reducer.size)
+        bucket.update_handle = engine.run(
+            fn, _EMPTY,
+            label='update and allgather of {} of iteration {}'.format(
+                bucket.label(), iteration),
+            slot=(iteration, first + n + bucket.index, reducer.round_items),
+            priority=prio - 0.5, stage=False,
+            nbytes=bucket.plan.nelems * bucket.param_dtype.itemsize)
+        self.posted.add(bucket.index)
 
     def _update_fn(self, bucket, snap, mpi_wait):
         pieces = self.pieces[bucket.index]
@@ -376,14 +472,23 @@ class ShardedPolicy(object):
         done = set()
         for info in infos:
             b = info.bucket
-            if b.index in done or getattr(b, 'update_handle', None) is None:
+            if b.index in done:
                 continue
             done.add(b.index)
-            self._wait(b)
+            self._wait(b)   # nothing to wait for if already waited
             for i in self.by_bucket[b.index]:
                 if i.pending:
                     i.pending = False
                     self.pending_count -= 1
+
+    def wait_posted(self, bucket):
+        """A bucket posted in the open iteration (``synchronize()`` before
+        ``update()``): its reduction finishes, and so does its update if
+        posted in backward (the parameters then already hold it)."""
+        if bucket.index in self.posted:
+            self._wait(bucket)
+        elif bucket.handle is not None:
+            bucket.handle.wait()
 
     def flush_bucket(self, bucket):
         """Finishes a bucket of an earlier iteration before its reuse."""

@@ -11,13 +11,16 @@ bits as the update of the whole array.  Anything else needs parameters
 that are not cut (``shard_unit='parameter'``), or must be declared
 element-wise with :func:`register_elementwise`.
 
-Updates run on the communication thread, after ``update()`` closed the
-iteration, with what the iteration closed with: a copy of each rule whose
-hyperparameters are frozen then (a learning-rate schedule that changes the
-optimizer after ``update()`` does not reach them), and the optimizer hooks
-registered then.  ``GradientClipping`` needs the norm of every gradient: it
-is computed from the shards (one small allreduce) on the main thread once
-every shard is reduced, and the pre-update hooks then run there.
+Updates run on the communication thread with a :class:`Snapshot`: a copy
+of each rule whose hyperparameters are frozen when the snapshot is made (at
+the first bucket posted in backward, or at ``update()``), and the optimizer
+hooks registered then.  A snapshot made in backward is checked at
+``update()`` against the optimizer as it is then (:meth:`Snapshot.changes`):
+a hyperparameter or hook changed in between raises an error instead of
+updating some shards with the old values.  ``GradientClipping`` needs the
+norm of every gradient: it is computed from the shards (one small
+allreduce) on the main thread once every shard is reduced, and the
+pre-update hooks then run there.
 """
 import copy
 
@@ -160,10 +163,11 @@ def _frozen(hyperparam):
 
 
 class Snapshot(object):
-    """What one closed iteration's shard updates run with.
+    """What one iteration's shard updates run with.
 
-    Made on the main thread when the iteration closes; read by the
-    communication thread.
+    Made on the main thread; read by the communication thread.  It does not
+    touch the rules: :meth:`commit` counts the step on them at
+    ``update()``.
 
     Args:
         actual: the wrapped optimizer.
@@ -179,17 +183,54 @@ class Snapshot(object):
         # hook is among them).
         self.pre_done = False
         self.rules = {}
+        self._real = []
         for p in params:
             rule = p.update_rule
             if rule is None or not rule.enabled:
                 continue
-            # As UpdateRule.update does, on the real rule: its t is what
-            # users and serializers read.
-            rule.t += 1
             shadow = copy.copy(rule)
             shadow.hyperparam = _frozen(rule.hyperparam)
-            shadow.t = rule.t - 1   # update() counts it again
             self.rules[id(p)] = shadow
+            self._real.append((p, rule))
+
+    def commit(self):
+        """Counts the step on the real rules (``t``), as
+        ``UpdateRule.update`` does: what users and serializers read."""
+        for _, rule in self._real:
+            rule.t += 1
+
+    def changes(self, actual, params):
+        """What differs now from when the snapshot was made, or None.
+
+        Returns:
+            str or None: e.g. ``"the hyperparameter lr of /l1/W: 0.1 then,
+            0.05 now"``.
+        """
+        pre, post = _hooks(actual._hookable)
+        if [id(h) for h in pre] != [id(h) for h in self.pre] or \
+                [id(h) for h in post] != [id(h) for h in self.post]:
+            return 'the optimizer hooks'
+        enabled = {id(p) for p in params if p.update_rule is not None
+                   and p.update_rule.enabled}
+        if enabled != set(self.rules):
+            return 'the set of enabled update rules'
+        for p, rule in self._real:
+            if p.update_rule is not rule:
+                return 'the update rule of {}'.format(p.name)
+            then = self.rules[id(p)].hyperparam.__dict__
+            now = rule.hyperparam.get_dict()
+            for key in sorted(set(then) | set(now)):
+                a, b = then.get(key), now.get(key)
+                if a is b:
+                    continue
+                try:
+                    same = bool(numpy.all(a == b))
+                except (TypeError, ValueError):
+                    same = False
+                if not same:
+                    return 'the hyperparameter {} of {}: {!r} then, {!r} ' \
+                        'now'.format(key, p.name, a, b)
+        return None
 
     def run_pre(self, hooks_params):
         """Runs the pre-update hooks in order over ``(rule, proxy)`` pairs.
