@@ -201,9 +201,10 @@ def speed_of(model, optimizer, cfg, log):
     log('{} ({}): {:.3f} s alone, {:.1f} MB of gradients'.format(
         model, optimizer, t_compute, nbytes / 1e6))
     rate, calibration = ob.calibrate(c, t_compute, nbytes, log)
-    run = ob.run_bed(rate, dict(c, modes=SPEED_MODES), t_compute, log)
+    modes = cfg.get('modes') or SPEED_MODES
+    run = ob.run_bed(rate, dict(c, modes=modes), t_compute, log)
     rows = {}
-    for mode in SPEED_MODES:
+    for mode in modes:
         s = run['modes'][mode]
         rows[mode] = {'scalability': s.get('scalability'),
                       'scalability_ci': s.get('scalability_ci'),
@@ -217,10 +218,10 @@ def speed_of(model, optimizer, cfg, log):
             '{:.3f} [{:.3f}, {:.3f}]'.format(
                 rows[mode]['scalability'], *rows[mode]['scalability_ci'])
             if rows[mode]['scalability'] else '-'))
-    base = rows['overlap_forward']['scalability_rounds']
-    for mode in SPEED_MODES[2:]:
+    base = rows[modes[1]]['scalability_rounds']
+    for mode in modes[2:]:
         # Paired by round: the difference to the unsharded optimizer
-        # measured next to it, with its interval.
+        # (the second mode) measured next to it, with its interval.
         cmp = stats.paired(base, rows[mode]['scalability_rounds'])
         rows[mode]['minus_unsharded'] = cmp['difference']['median']
         rows[mode]['minus_unsharded_ci'] = cmp['difference']['ci']
@@ -273,6 +274,11 @@ def main(argv=None):
     p.add_argument('--iterations', type=int, default=3,
                    help='timed iterations per mode and round')
     p.add_argument('--rounds', type=int, default=8)
+    p.add_argument('--speed-modes', nargs='+', default=None,
+                   help='modes of the speed run (default: alone, '
+                   'unsharded, each stage); the first must be alone, '
+                   'the second the unsharded one the others are compared '
+                   'to')
     p.add_argument('--out', default=os.path.join(launch.RESULTS,
                                                  'sharding.json'))
     args = p.parse_args(argv)
@@ -290,7 +296,7 @@ def main(argv=None):
         cfg = {'batch': 4, 'mlp_batch': args.mlp_batch,
                'iterations': args.iterations,
                'warmup': args.warmup, 'rounds': args.rounds,
-               'insize': args.insize}
+               'insize': args.insize, 'modes': args.speed_modes}
         models = [tuple(m.split(':')) for m in args.speed_models]
         result['speed'] = run_speed(models, cfg, log)
     result['seconds'] = time.time() - t0

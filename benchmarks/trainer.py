@@ -59,6 +59,11 @@ WIRE_OPTIONS = {
     'overlap_forward_shard_optimizer': lambda: {'shard': 'optimizer'},
     'overlap_forward_shard_gradients': lambda: {'shard': 'gradients'},
     'overlap_forward_shard_parameters': lambda: {'shard': 'parameters'},
+    # Stages 1 and 2 with every update and allgather posted at update().
+    'overlap_forward_shard_optimizer_at_update':
+        lambda: {'shard': 'optimizer', 'shard_update': 'update'},
+    'overlap_forward_shard_gradients_at_update':
+        lambda: {'shard': 'gradients', 'shard_update': 'update'},
 }
 
 

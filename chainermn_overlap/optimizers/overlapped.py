@@ -50,6 +50,7 @@ from chainermn_overlap.optimizers._layout import UNCHANGED
 from chainermn_overlap.optimizers._policy import UpdatePolicy
 from chainermn_overlap.optimizers._reducer import BucketReducer
 from chainermn_overlap.optimizers._tracker import GradientTracker
+from chainermn_overlap.optimizers.sharding import options as sharding_options
 from chainermn_overlap.optimizers.sharding import params as sharding_params
 from chainermn_overlap.optimizers.sharding import policy as sharding_policy
 
@@ -70,7 +71,7 @@ class _OverlapState(object):
     def __init__(self, actual, communicator, wait, bucket_size, zero_fill,
                  allreduce_grad_dtype, backend, backend_options,
                  timeline=None, compression=None, shard=None,
-                 shard_unit='element', shard_update='backward'):
+                 shard_unit='element', shard_update='update'):
         self.actual = actual
         self.communicator = communicator
         self.mpi_comm = communicator.mpi_comm
@@ -416,34 +417,6 @@ class _OverlappedOptimizer(_wrapper.OptimizerWrapper):
         return self._overlap.write_timeline()
 
 
-SHARD_MODES = (None, 'optimizer', 'gradients', 'parameters')
-
-
-def _check_shard(shard, shard_unit, shard_update, compression, backend):
-    if shard_update not in ('backward', 'update'):
-        raise ValueError("shard_update must be 'backward' or 'update', got "
-                         '{!r}'.format(shard_update))
-    if shard not in SHARD_MODES:
-        raise ValueError(
-            "shard must be None, 'optimizer', 'gradients' or 'parameters', "
-            'got {!r}'.format(shard))
-    if shard_unit not in ('element', 'parameter'):
-        raise ValueError("shard_unit must be 'element' or 'parameter', got "
-                         '{!r}'.format(shard_unit))
-    if shard is None:
-        return
-    if compression is not None:
-        raise ValueError(
-            'shard={!r} cannot be combined with compression: PowerSGD '
-            'reduces low-rank factors of whole gradients, which no rank '
-            'holds when they are sharded; drop one of the two.'.format(shard))
-    if backend == 'nccl':
-        raise ValueError(
-            "shard={!r} runs on the MPI engines ('mpi_priority', "
-            "'mpi_thread'; GPU arrays are staged through host memory), not "
-            "on backend='nccl'.".format(shard))
-
-
 def create_overlapped_optimizer(
         actual_optimizer: chainer.Optimizer, communicator: Any,
         wait: str = 'forward', bucket_size: Union[int, str, None] = None,
@@ -457,7 +430,7 @@ def create_overlapped_optimizer(
         compression: Optional[PowerSGD] = None,
         shard: Optional[str] = None,
         shard_unit: str = 'element',
-        shard_update: str = 'backward') -> '_OverlappedOptimizer':
+        shard_update: str = 'update') -> '_OverlappedOptimizer':
     """Creates a multi-node optimizer that overlaps reduction with compute.
 
     A drop-in for :func:`chainermn.create_multi_node_optimizer`: gradients
@@ -542,12 +515,15 @@ def create_overlapped_optimizer(
             which needs element-wise update rules and hooks) or
             ``'parameter'`` (whole parameters per rank, any rule).
         shard_update (str): when ``'optimizer'`` and ``'gradients'``
-            update a bucket's shard and gather it: ``'backward'``
-            (default; as soon as the bucket is reduced, overlapping the
-            rest of backward, with the hyperparameters and hooks the
+            update a bucket's shard and gather it: ``'update'`` (default;
+            at ``update()``, overlapping the next forward) or
+            ``'backward'`` (as soon as the bucket is reduced, overlapping
+            the rest of backward, with the hyperparameters and hooks the
             optimizer holds at the first bucket: changing them between
-            backward and ``update()`` raises an error) or ``'update'``
-            (at ``update()``).
+            backward and ``update()`` raises an error).  ``'backward'``
+            was slower on a one-core-per-rank bed whose link is the
+            bottleneck (see the performance page); it is for links that
+            idle during backward.
 
     Returns:
         The wrapped optimizer.  Attribute access goes to the actual
@@ -559,7 +535,8 @@ def create_overlapped_optimizer(
         raise ValueError("wait must be 'forward' or 'update', got {!r}"
                          .format(wait))
     allreduce_grad_dtype = _wrapper.check_wire_dtype(allreduce_grad_dtype)
-    _check_shard(shard, shard_unit, shard_update, compression, backend)
+    sharding_options.check(shard, shard_unit, shard_update, compression,
+                           backend)
     if bucket_size is not None:
         bucket_size = config.parse_size(bucket_size)
     elif shard is not None or (

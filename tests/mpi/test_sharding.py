@@ -226,7 +226,8 @@ def test_what_is_held_after_update(comm, shard, wait):
 
 
 # ---------------------------------------------------------------------------
-# Updates posted in backward (shard_update='backward', the default).
+# Updates posted in backward (shard_update='backward'; the default is
+# 'update').
 
 def _backward(model, opt, batch):
     model.cleargrads()
@@ -236,15 +237,16 @@ def _backward(model, opt, batch):
 
 @pytest.mark.parametrize('wait', WAITS)
 @pytest.mark.parametrize('shard', ['optimizer', 'gradients'])
-@pytest.mark.parametrize('when', ['backward', 'update'])
+@pytest.mark.parametrize('when', ['backward', 'update', None])
 def test_when_the_shard_updates_are_posted(comm, shard, wait, when):
     """With 'backward' every bucket's update is posted before update() and
-    training equals ChainerMN; with 'update' none is, and it equals too."""
+    training equals ChainerMN; with 'update' (the default, None) none is,
+    and it equals too."""
     batches = _batches(21)
     ref = eq.train(eq.REFERENCE, _template(), _adam, _step(batches), STEPS)
     model = _template()
-    opt = _make(comm, _adam(), shard, wait=wait,
-                shard_update=when).setup(model)
+    options = {} if when is None else {'shard_update': when}
+    opt = _make(comm, _adam(), shard, wait=wait, **options).setup(model)
     policy = opt._overlap.policy
     posted = []
     for it in range(STEPS):
@@ -267,7 +269,8 @@ def test_when_the_shard_updates_are_posted(comm, shard, wait, when):
 def test_a_change_between_backward_and_update_raises(comm, change):
     batches = _batches(22)
     model = _template()
-    opt = _make(comm, _adam(), 'gradients').setup(model)
+    opt = _make(comm, _adam(), 'gradients',
+                shard_update='backward').setup(model)
     for it in range(2):
         opt.update(model, *batches[it])
     before = {n: p.array.copy() for n, p in model.namedparams()}

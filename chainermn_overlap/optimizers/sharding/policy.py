@@ -19,16 +19,20 @@ next forward needs first, are gathered first with ``wait='forward'``).
 With ``wait='forward'`` a link's forward waits for its bucket's B; with
 ``wait='update'``, ``update()`` waits for every B.
 
-B is posted as soon as A is (``update_at='backward'``, the default), so
-the updates and gathers overlap the rest of backward, not only the next
-forward.  That needs what the update runs with to be known in backward:
-the rules' hyperparameters and the optimizer hooks are frozen at the
-first bucket (:class:`.rules.Snapshot`) and checked at ``update()``, and B
-runs only if the round's control message (item 0, run before any B) found
-the layout unchanged; otherwise B does nothing and ``update()`` rebuilds
-the layout as without sharding.  ``GradientClipping`` needs every shard
-first: with it, every B is posted at ``update()`` (``update_at='update'``
-always does so).
+By default B is posted at ``update()`` (``update_at='update'``), so the
+updates and gathers overlap the next forward.  With
+``update_at='backward'`` B is posted as soon as A is, so they overlap the
+rest of backward too.  That needs what the update runs with to be known in
+backward: the rules' hyperparameters and the optimizer hooks are frozen at
+the first bucket (:class:`.rules.Snapshot`) and checked at ``update()``,
+and B runs only if the round's control message (item 0, run before any B)
+found the layout unchanged; otherwise B does nothing and ``update()``
+rebuilds the layout as without sharding.  ``GradientClipping`` needs every
+shard first: with it, every B is posted at ``update()``.  On a bed whose
+link is the bottleneck and whose ranks have one core each, posting in
+backward was slower: B holds the one communication thread while later
+reductions wait behind it, and backward stops in the throttle
+(:meth:`ShardedPolicy.throttle`) for longer.
 """
 import numpy
 
@@ -170,7 +174,7 @@ class ShardedPolicy(object):
 
     def __init__(self, actual, wait, reducer, timeline, rank, unit,
                  release_grads, mpi_comm, iteration, control=None,
-                 update_at='backward'):
+                 update_at='update'):
         self.actual = actual
         self.wait = wait
         self.reducer = reducer
