@@ -64,6 +64,12 @@ WIRE_OPTIONS = {
         lambda: {'shard': 'optimizer', 'shard_update': 'update'},
     'overlap_forward_shard_gradients_at_update':
         lambda: {'shard': 'gradients', 'shard_update': 'update'},
+    # The earlier ways, for A/B runs (set on the optimizer in
+    # make_optimizer): the allgather polls in MPI's blocking call; stage 1
+    # waits in backward for all but two buckets' reduce-scatters.
+    'overlap_forward_shard_optimizer_polled_throttled':
+        lambda: {'shard': 'optimizer'},
+    'overlap_forward_shard_gradients_polled': lambda: {'shard': 'gradients'},
 }
 
 
@@ -118,8 +124,13 @@ def make_optimizer(mode, comm, cfg):
     trace = cfg.get('trace')
     if trace and mode == cfg.get('trace_mode', 'overlap_forward'):
         options['timeline'] = trace
-    return chainermn_overlap.create_overlapped_optimizer(actual, comm,
-                                                         **options)
+    opt = chainermn_overlap.create_overlapped_optimizer(actual, comm,
+                                                        **options)
+    if '_polled' in mode:
+        opt._overlap.policy.gather_wait = 'poll'
+    if mode.endswith('_throttled'):
+        opt._overlap.reducer.before_new_buffer = opt._overlap.policy.throttle
+    return opt
 
 
 def merge_stats(a, b):

@@ -123,7 +123,9 @@ class _OverlapState(object):
             on_backward_start=self._on_backward_start,
             apply_updates=self.policy.apply,
             pending_count=lambda: self.policy.pending_count)
-        if shard is not None:
+        if shard in ('gradients', 'parameters'):
+            # Bounds the gradients held in backward; 'optimizer' keeps
+            # every gradient whole anyway, and waiting costs it speed.
             self.reducer.before_new_buffer = self.policy.throttle
         self.tracker.release_grads = shard in ('gradients', 'parameters')
         self.reducer.keep_packed = not self.tracker.release_grads

@@ -53,6 +53,13 @@ _EMPTY = numpy.empty(0, dtype=numpy.float32)
 # fills the next: what bounds the gradients a rank holds during backward
 # when the link is slower than the compute.
 IN_FLIGHT = 2
+# How B's allgather waits for MPI: sleeping between tests, whatever the
+# engine does.  It runs during the next forward, whose rank's core it
+# shares: MPICH's blocking call polls and takes that core.  On the bed
+# (ResNet-50, one core per rank, 4 rounds) stage 2 gained +0.081 [0.052,
+# 0.117] of scalability, and stage 1, also freed from the throttle, +0.196
+# [0.091, 0.268] (benchmarks/results/sharding_waits.json).
+GATHER_WAIT = 'sleep'
 
 
 def _xp(bucket):
@@ -186,6 +193,7 @@ class ShardedPolicy(object):
         self.iteration = iteration
         self.control = control
         self.update_at = update_at
+        self.gather_wait = GATHER_WAIT
         # This iteration's snapshot once made in backward (False: not in
         # backward this iteration), and the buckets whose B is posted.
         self.snap = None
@@ -420,7 +428,7 @@ class ShardedPolicy(object):
         first = reducer.first_item + offset
         iteration = self.iteration()
         prio = bucket.index if self.wait == 'forward' else -bucket.index
-        fn = self._update_fn(bucket, snap, _mpi_wait(engine))
+        fn = self._update_fn(bucket, snap, self.gather_wait)
         if control is not None:
             fn = _gated(fn, self._update_fn(bucket, None, None), control,
                         bucket, self.rank, reducer.size)
