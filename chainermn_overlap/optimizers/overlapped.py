@@ -123,11 +123,11 @@ class _OverlapState(object):
             on_backward_start=self._on_backward_start,
             apply_updates=self.policy.apply,
             pending_count=lambda: self.policy.pending_count)
-        if shard in ('gradients', 'parameters'):
+        self.tracker.release_grads = shard in ('gradients', 'parameters')
+        if self.tracker.release_grads:
             # Bounds the gradients held in backward; 'optimizer' keeps
             # every gradient whole anyway, and waiting costs it speed.
             self.reducer.before_new_buffer = self.policy.throttle
-        self.tracker.release_grads = shard in ('gradients', 'parameters')
         self.reducer.keep_packed = not self.tracker.release_grads
         if shard == 'parameters':
             self.tracker.shard_params = self.policy

@@ -53,13 +53,6 @@ _EMPTY = numpy.empty(0, dtype=numpy.float32)
 # fills the next: what bounds the gradients a rank holds during backward
 # when the link is slower than the compute.
 IN_FLIGHT = 2
-# How B's allgather waits for MPI: sleeping between tests, whatever the
-# engine does.  It runs during the next forward, whose rank's core it
-# shares: MPICH's blocking call polls and takes that core.  On the bed
-# (ResNet-50, one core per rank, 4 rounds) stage 2 gained +0.081 [0.052,
-# 0.117] of scalability, and stage 1, also freed from the throttle, +0.196
-# [0.091, 0.268] (benchmarks/results/sharding_waits.json).
-GATHER_WAIT = 'sleep'
 
 
 def _xp(bucket):
@@ -178,6 +171,13 @@ class ShardedPolicy(object):
     # Whether B may be posted in backward (not with sharded parameters:
     # their versions change at update()).
     early = True
+    # How B's allgather waits for MPI: sleeping between tests, whatever the
+    # engine does.  It runs during the next forward, whose rank's core it
+    # shares: MPICH's blocking call polls and takes that core.  On the bed
+    # (ResNet-50, one core per rank, 4 rounds) stage 2 gained +0.081 [0.052,
+    # 0.117] of scalability, and stage 1, also freed from the throttle, +0.196
+    # [0.091, 0.268] (benchmarks/results/sharding_waits.json).
+    gather_wait = 'sleep'
 
     def __init__(self, actual, wait, reducer, timeline, rank, unit,
                  release_grads, mpi_comm, iteration, control=None,
@@ -193,7 +193,6 @@ class ShardedPolicy(object):
         self.iteration = iteration
         self.control = control
         self.update_at = update_at
-        self.gather_wait = GATHER_WAIT
         # This iteration's snapshot once made in backward (False: not in
         # backward this iteration), and the buckets whose B is posted.
         self.snap = None
