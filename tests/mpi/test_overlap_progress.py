@@ -65,5 +65,8 @@ def test_reductions_are_hidden_behind_compute(comm):
     # The blocking control posts its only bucket inside update() and
     # waits for it there: nothing can be hidden.
     assert results['control'] < 0.25, results
-    assert results['forward'] > 0.6, results
-    assert results['update'] > 0.6, results
+    # Alone the overlapped modes hide 0.74-0.86; late in the full suite on
+    # a 2-core CI machine 0.55-0.58 was seen: the bound keeps a wide margin
+    # over the control (about 0) without failing on that.
+    assert results['forward'] > 0.45, results
+    assert results['update'] > 0.45, results
