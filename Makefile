@@ -219,6 +219,14 @@ PEERS_ARGS ?= --model resnet18 --batch 8 --insize 128
 bench-peers: bench-deps peers-venv
 	$(PY) -m benchmarks.peers_bench $(PEERS_ARGS)
 
+# PowerSGD's arithmetic per step, kernel by kernel, on ResNet-18's matrices
+# (one process; KERNELS_ARGS='--build OLD.so' times another build alongside).
+KERNELS_ARGS ?=
+.PHONY: bench-kernels
+bench-kernels: bench-deps
+	OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 \
+	$(PY) -m benchmarks.powersgd_kernels $(KERNELS_ARGS)
+
 # Two revisions side by side on the same bed, interleaved rounds, paired
 # differences with intervals: make bench-ab A=main~1 B=WORKTREE
 # [AB_ARGS='--modes alone overlap_forward --rounds 12'].

@@ -45,7 +45,10 @@ from benchmarks.machine import machine_description  # noqa: E402
 
 MODULE = 'benchmarks.sharding_bench'
 RESULT_TAG = 'SHARDING_BENCH_RESULT '
-MEMORY_MODES = ['chainermn', 'none', 'optimizer', 'gradients', 'parameters']
+MEMORY_MODES = ['chainermn', 'none', 'optimizer', 'gradients', 'parameters',
+                'gradients_8MiB']
+# 'gradients_8MiB': shard='gradients' with shard_in_flight='8MiB' (two
+# buckets; the default has no bound for 'gradients').
 SPEED_MODES = ['alone', 'overlap_forward', 'overlap_forward_shard_optimizer',
                'overlap_forward_shard_gradients',
                'overlap_forward_shard_parameters']
@@ -54,7 +57,8 @@ SPEED_MODES = ['alone', 'overlap_forward', 'overlap_forward_shard_optimizer',
 def ideal(mode, n):
     """Ideal persistent bytes per parameter with Adam in float32."""
     return {'chainermn': 16.0, 'none': 16.0, 'optimizer': 8 + 8.0 / n,
-            'gradients': 4 + 12.0 / n, 'parameters': 16.0 / n}[mode]
+            'gradients': 4 + 12.0 / n, 'parameters': 16.0 / n,
+            'gradients_8MiB': 4 + 12.0 / n}[mode]
 
 
 # ----------------------------------------------------------------------------
@@ -75,9 +79,10 @@ def _measure(mode, wait, comm, cfg, x, t):
     if mode == 'chainermn':
         opt = chainermn.create_multi_node_optimizer(actual, comm)
     else:
+        shard, _, in_flight = mode.partition('_')
         opt = chainermn_overlap.create_overlapped_optimizer(
-            actual, comm, wait=wait,
-            shard=None if mode == 'none' else mode)
+            actual, comm, wait=wait, shard=None if mode == 'none' else shard,
+            shard_in_flight=in_flight or 'auto')
     opt.setup(model)
 
     def lossfun():

@@ -177,56 +177,125 @@ hsum(__m256 v)
     return _mm_cvtss_f32(s);
 }
 
+/* The PowerSGD kernels are written once, as always-inlined bodies taking
+ * the rank r, and instantiated for the common ranks with r a constant:
+ * then the loops over k unroll and the accumulators stay in registers (with
+ * a run-time r they live on the stack, and every FMA waits for a store).
+ * The order of every sum is the same in all instances, so the results do
+ * not depend on which one runs. */
+#define CMO_INLINE static inline __attribute__((always_inline))
+#define CMO_DISPATCH(body, r, ...)                                          \
+    switch (r) {                                                            \
+    case 1: body(__VA_ARGS__, 1); break;                                    \
+    case 2: body(__VA_ARGS__, 2); break;                                    \
+    case 4: body(__VA_ARGS__, 4); break;                                    \
+    default: body(__VA_ARGS__, r); break;                                   \
+    }
+
+/* Rows i .. i + rows - 1 (rows <= 2) of M: M[i] += E[i] (E may be NULL),
+ * then P[i, k] = M[i] . Qt[k].  Two rows share each load of Qt. */
+CMO_TARGET CMO_INLINE void
+ef_project_rows(float *M, const float *E, const float *Qt, float *P,
+                Py_ssize_t i, int rows, Py_ssize_t m, Py_ssize_t r)
+{
+    __m256 acc[2][CMO_MAX_RANK];
+    float tail[2][CMO_MAX_RANK];
+    for (int b = 0; b < 2; b++)
+        for (Py_ssize_t k = 0; k < r; k++) {
+            acc[b][k] = _mm256_setzero_ps();
+            tail[b][k] = 0.0f;
+        }
+    float *row0 = M + i * m, *row1 = row0 + (rows > 1 ? m : 0);
+    const float *e0 = E ? E + i * m : NULL;
+    const float *e1 = E ? e0 + (rows > 1 ? m : 0) : NULL;
+    Py_ssize_t j = 0;
+    for (; j + 8 <= m; j += 8) {
+        __m256 v0 = _mm256_loadu_ps(row0 + j), v1 = _mm256_loadu_ps(row1 + j);
+        if (E) {
+            v0 = _mm256_add_ps(v0, _mm256_loadu_ps(e0 + j));
+            v1 = _mm256_add_ps(v1, _mm256_loadu_ps(e1 + j));
+            _mm256_storeu_ps(row0 + j, v0);
+            if (rows > 1)
+                _mm256_storeu_ps(row1 + j, v1);
+        }
+        for (Py_ssize_t k = 0; k < r; k++) {
+            __m256 q = _mm256_loadu_ps(Qt + k * m + j);
+            acc[0][k] = _mm256_fmadd_ps(v0, q, acc[0][k]);
+            acc[1][k] = _mm256_fmadd_ps(v1, q, acc[1][k]);
+        }
+    }
+    for (; j < m; j++) {
+        for (int b = 0; b < rows; b++) {
+            float *row = b ? row1 : row0;
+            float v = row[j];
+            if (E) {
+                v += (b ? e1 : e0)[j];
+                row[j] = v;
+            }
+            for (Py_ssize_t k = 0; k < r; k++)
+                tail[b][k] = fmaf(v, Qt[k * m + j], tail[b][k]);
+        }
+    }
+    for (int b = 0; b < rows; b++)
+        for (Py_ssize_t k = 0; k < r; k++)
+            P[(i + b) * r + k] = hsum(acc[b][k]) + tail[b][k];
+}
+
+CMO_TARGET CMO_INLINE void
+ef_project_body(float *M, const float *E, const float *Qt, float *P,
+                Py_ssize_t n, Py_ssize_t m, Py_ssize_t r)
+{
+    Py_ssize_t i = 0;
+    for (; i + 2 <= n; i += 2)
+        ef_project_rows(M, E, Qt, P, i, 2, m, r);
+    if (i < n)
+        ef_project_rows(M, E, Qt, P, i, 1, m, r);
+}
+
 /* For each row i of M (n x m): M[i] += E[i] (E may be NULL), then
  * P[i, k] = M[i] . Qt[k] for k < r.  Qt is Q transposed (r x m). */
 CMO_TARGET static void
 k_ef_project(float *M, const float *E, const float *Qt, float *P,
              Py_ssize_t n, Py_ssize_t m, Py_ssize_t r)
 {
-    for (Py_ssize_t i = 0; i < n; i++) {
-        float *row = M + i * m;
-        const float *e = E ? E + i * m : NULL;
-        __m256 acc[CMO_MAX_RANK];
-        float tail[CMO_MAX_RANK];
-        for (Py_ssize_t k = 0; k < r; k++) {
-            acc[k] = _mm256_setzero_ps();
-            tail[k] = 0.0f;
-        }
-        Py_ssize_t j = 0;
-        for (; j + 8 <= m; j += 8) {
-            __m256 v = _mm256_loadu_ps(row + j);
-            if (e) {
-                v = _mm256_add_ps(v, _mm256_loadu_ps(e + j));
-                _mm256_storeu_ps(row + j, v);
-            }
-            for (Py_ssize_t k = 0; k < r; k++)
-                acc[k] = _mm256_fmadd_ps(v, _mm256_loadu_ps(Qt + k * m + j),
-                                         acc[k]);
-        }
-        for (; j < m; j++) {
-            float v = row[j];
-            if (e) {
-                v += e[j];
-                row[j] = v;
-            }
-            for (Py_ssize_t k = 0; k < r; k++)
-                tail[k] += v * Qt[k * m + j];
-        }
-        for (Py_ssize_t k = 0; k < r; k++)
-            P[i * r + k] = hsum(acc[k]) + tail[k];
-    }
+    CMO_DISPATCH(ef_project_body, r, M, E, Qt, P, n, m)
 }
 
-/* Qt = P^T M (r x m), streaming M once: Qt[k] += P[i, k] M[i] row by row
- * (Qt, r x m floats, stays in cache). */
-CMO_TARGET static void
-k_project_t(const float *M, const float *P, float *Qt, Py_ssize_t n,
-            Py_ssize_t m, Py_ssize_t r)
+/* Qt = P^T M (r x m), streaming M once: Qt[k] += P[i, k] M[i] row by row,
+ * four rows per load and store of Qt (r x m floats, in cache); the sum over
+ * rows runs in row order whatever the blocking. */
+CMO_TARGET CMO_INLINE void
+project_t_body(const float *M, const float *P, float *Qt, Py_ssize_t n,
+               Py_ssize_t m, Py_ssize_t r)
 {
     memset(Qt, 0, (size_t)(r * m) * sizeof(float));
-    for (Py_ssize_t i = 0; i < n; i++) {
-        const float *row = M + i * m;
-        const float *p = P + i * r;
+    Py_ssize_t i = 0;
+    for (; i + 4 <= n; i += 4) {
+        const float *row = M + i * m, *p = P + i * r;
+        for (Py_ssize_t k = 0; k < r; k++) {
+            float *q = Qt + k * m;
+            __m256 p0 = _mm256_set1_ps(p[k]), p1 = _mm256_set1_ps(p[r + k]);
+            __m256 p2 = _mm256_set1_ps(p[2 * r + k]);
+            __m256 p3 = _mm256_set1_ps(p[3 * r + k]);
+            Py_ssize_t j = 0;
+            for (; j + 8 <= m; j += 8) {
+                __m256 s = _mm256_loadu_ps(q + j);
+                s = _mm256_fmadd_ps(p0, _mm256_loadu_ps(row + j), s);
+                s = _mm256_fmadd_ps(p1, _mm256_loadu_ps(row + m + j), s);
+                s = _mm256_fmadd_ps(p2, _mm256_loadu_ps(row + 2 * m + j), s);
+                s = _mm256_fmadd_ps(p3, _mm256_loadu_ps(row + 3 * m + j), s);
+                _mm256_storeu_ps(q + j, s);
+            }
+            for (; j < m; j++) {
+                float s = q[j];
+                for (int b = 0; b < 4; b++)
+                    s = fmaf(p[b * r + k], row[b * m + j], s);
+                q[j] = s;
+            }
+        }
+    }
+    for (; i < n; i++) {
+        const float *row = M + i * m, *p = P + i * r;
         for (Py_ssize_t k = 0; k < r; k++) {
             float *q = Qt + k * m;
             __m256 pk = _mm256_set1_ps(p[k]);
@@ -240,10 +309,17 @@ k_project_t(const float *M, const float *P, float *Qt, Py_ssize_t n,
     }
 }
 
-/* For each row i: A = P[i] Qt (1 x m); E[i] = M[i] - A; M[i] = A. */
 CMO_TARGET static void
-k_reconstruct(float *M, float *E, const float *P, const float *Qt,
-              Py_ssize_t n, Py_ssize_t m, Py_ssize_t r)
+k_project_t(const float *M, const float *P, float *Qt, Py_ssize_t n,
+            Py_ssize_t m, Py_ssize_t r)
+{
+    CMO_DISPATCH(project_t_body, r, M, P, Qt, n, m)
+}
+
+/* For each row i: A = P[i] Qt (1 x m); E[i] = M[i] - A; M[i] = A. */
+CMO_TARGET CMO_INLINE void
+reconstruct_body(float *M, float *E, const float *P, const float *Qt,
+                 Py_ssize_t n, Py_ssize_t m, Py_ssize_t r)
 {
     for (Py_ssize_t i = 0; i < n; i++) {
         float *row = M + i * m, *e = E + i * m;
@@ -267,6 +343,13 @@ k_reconstruct(float *M, float *E, const float *P, const float *Qt,
             row[j] = a;
         }
     }
+}
+
+CMO_TARGET static void
+k_reconstruct(float *M, float *E, const float *P, const float *Qt,
+              Py_ssize_t n, Py_ssize_t m, Py_ssize_t r)
+{
+    CMO_DISPATCH(reconstruct_body, r, M, E, P, Qt, n, m)
 }
 #endif /* CMO_X86 */
 

@@ -71,7 +71,8 @@ class _OverlapState(object):
     def __init__(self, actual, communicator, wait, bucket_size, zero_fill,
                  allreduce_grad_dtype, backend, backend_options,
                  timeline=None, compression=None, shard=None,
-                 shard_unit='element', shard_update='update'):
+                 shard_unit='element', shard_update='update',
+                 shard_in_flight=None):
         self.actual = actual
         self.communicator = communicator
         self.mpi_comm = communicator.mpi_comm
@@ -124,9 +125,10 @@ class _OverlapState(object):
             apply_updates=self.policy.apply,
             pending_count=lambda: self.policy.pending_count)
         self.tracker.release_grads = shard in ('gradients', 'parameters')
-        if self.tracker.release_grads:
+        if self.tracker.release_grads and shard_in_flight is not None:
             # Bounds the gradients held in backward; 'optimizer' keeps
-            # every gradient whole anyway, and waiting costs it speed.
+            # every gradient whole anyway, and waiting costs speed.
+            self.policy.in_flight = shard_in_flight
             self.reducer.before_new_buffer = self.policy.throttle
         self.reducer.keep_packed = not self.tracker.release_grads
         if shard == 'parameters':
@@ -432,7 +434,9 @@ def create_overlapped_optimizer(
         compression: Optional[PowerSGD] = None,
         shard: Optional[str] = None,
         shard_unit: str = 'element',
-        shard_update: str = 'update') -> '_OverlappedOptimizer':
+        shard_update: str = 'update',
+        shard_in_flight: Union[int, str, None] = 'auto'
+) -> '_OverlappedOptimizer':
     """Creates a multi-node optimizer that overlaps reduction with compute.
 
     A drop-in for :func:`chainermn.create_multi_node_optimizer`: gradients
@@ -526,6 +530,13 @@ def create_overlapped_optimizer(
             was slower on a one-core-per-rank bed whose link is the
             bottleneck (see the performance page); it is for links that
             idle during backward.
+        shard_in_flight (int or str): with ``'gradients'`` and
+            ``'parameters'``: the bytes of full gradient buckets a rank may
+            hold waiting for their reduce-scatter before backward waits for
+            the oldest (a number or a string such as ``'32MB'``; ``None``:
+            no bound).  Default ``'auto'``: no bound for ``'gradients'``
+            (at most the whole gradient, as unsharded), two buckets for
+            ``'parameters'``.
 
     Returns:
         The wrapped optimizer.  Attribute access goes to the actual
@@ -563,6 +574,7 @@ def create_overlapped_optimizer(
         backend_options['chunk_bytes'] = config.parse_size(chunk_size)
     watch_options = _wrapper.check_watch_options(timeout, stall_warning,
                                                  debug)
+    in_flight = sharding_options.in_flight_limit(shard, shard_in_flight)
     tl = (timeline_module.Timeline(str(timeline), communicator.rank)
           if timeline is not None else None)
     if shard is not None and backend is None:
@@ -570,7 +582,7 @@ def create_overlapped_optimizer(
     state = _OverlapState(actual_optimizer, communicator, wait, bucket_size,
                           zero_fill, allreduce_grad_dtype, backend,
                           backend_options, tl, compression, shard,
-                          shard_unit, shard_update)
+                          shard_unit, shard_update, in_flight)
     state.watch_options = watch_options
     if tl is not None:
         _TIMELINES.add(state)

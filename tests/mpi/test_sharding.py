@@ -226,6 +226,72 @@ def test_what_is_held_after_update(comm, shard, wait):
 
 
 # ---------------------------------------------------------------------------
+# The bound on gradients waiting for their reduce-scatter (shard_in_flight).
+
+def _held_while_filling(comm, shard, monkeypatch, **options):
+    """The most bytes, and buckets, of full buffers still waiting for their
+    reduce-scatter each time backward starts filling another bucket, over 3
+    steps, with every reduce-scatter slowed by 20 ms (a link slower than
+    backward); and the number of buckets."""
+    import time
+    from chainermn_overlap.optimizers.sharding import collectives
+    slow = collectives.reduce_scatter_mean
+
+    def slowed(*args, **kwargs):
+        time.sleep(0.02)
+        return slow(*args, **kwargs)
+    monkeypatch.setattr(collectives, 'reduce_scatter_mean', slowed)
+    eq.seed_for_rank(5)
+    model = L.Classifier(MLP(40, 40, 10, n_layers=3))
+    opt = chainermn_overlap.create_overlapped_optimizer(
+        _adam(), comm, shard=shard, bucket_size=1024, **options)
+    opt.setup(model)
+    reducer = opt._overlap.reducer
+    throttle = reducer.before_new_buffer
+    most = [0, 0]
+
+    def measured():
+        throttle()
+        held = [0, 0]
+        for b in reducer.buckets:
+            buf = b.buffer
+            if buf is not None and b.handle is not None \
+                    and not b.handle.done():
+                held = [held[0] + buf.nbytes, held[1] + 1]
+        most[:] = [max(most[0], held[0]), max(most[1], held[1])]
+    reducer.before_new_buffer = measured
+    rng = np.random.RandomState(1)
+    for _ in range(3):
+        opt.update(model, rng.randn(6, 40).astype(np.float32),
+                   rng.randint(0, 10, 6).astype(np.int32))
+    buckets = len(reducer.buckets)
+    opt.close()
+    return most[0], most[1], buckets
+
+
+@pytest.mark.parametrize('shard', ['gradients', 'parameters'])
+def test_shard_in_flight_bounds_the_gradients_held(comm, shard, monkeypatch):
+    # Without a bound the slowed reduce-scatters pile up (the control shows
+    # the bound has something to stop); with one, backward waits.
+    free, _, buckets = _held_while_filling(comm, shard, monkeypatch,
+                                           shard_in_flight=None)
+    bounded, _, _ = _held_while_filling(comm, shard, monkeypatch,
+                                        shard_in_flight=2048)
+    _same_everywhere(comm, buckets >= 4 and free >= 4096 and bounded < 2048,
+                     '{} buckets; most held: {} bytes unbounded, {} with a '
+                     'bound of 2048'.format(buckets, free, bounded))
+
+
+def test_shard_in_flight_defaults(comm, monkeypatch):
+    # 'auto': no bound for 'gradients', two buckets for 'parameters'.
+    _, free, _ = _held_while_filling(comm, 'gradients', monkeypatch)
+    _, bounded, _ = _held_while_filling(comm, 'parameters', monkeypatch)
+    _same_everywhere(comm, free >= 3 and bounded < 2,
+                     'most buckets waiting: {} (gradients), {} (parameters)'
+                     .format(free, bounded))
+
+
+# ---------------------------------------------------------------------------
 # Updates posted in backward (shard_update='backward'; the default is
 # 'update').
 
@@ -344,6 +410,10 @@ def test_use_outside_the_link_after_release_raises(comm):
     ({'shard': 'gradients',
       'compression': chainermn_overlap.PowerSGD(rank=2)}, 'compression'),
     ({'shard': 'optimizer', 'backend': 'nccl'}, 'MPI engines'),
+    ({'shard': 'optimizer', 'shard_in_flight': '8MB'},
+     "only shard='gradients' and 'parameters'"),
+    ({'shard': 'gradients', 'shard_in_flight': 'lots'},
+     'shard_in_flight: size'),
 ])
 def test_bad_options(comm, kwargs, match):
     with pytest.raises(ValueError, match=match):

@@ -211,3 +211,24 @@ def test_switch_off_by_environment(monkeypatch):
     with _kernels.use_native(False):
         assert not _kernels.native_enabled()
     assert _kernels.native_enabled() == before
+
+
+@needs_native
+@pytest.mark.parametrize('r', [1, 2, 3, 4, 8])
+@pytest.mark.parametrize('n,m', [(5, 37), (4, 16), (3, 9)])
+def test_powersgd_results_do_not_depend_on_row_blocking(r, n, m):
+    # ef_project takes two rows at a time and is compiled separately for
+    # ranks 1, 2 and 4: each row's sums must still come out in the same
+    # order, so the bits equal those of the rows fed one at a time (where
+    # no blocking applies).
+    rng = numpy.random.RandomState(r * 100 + n)
+    mat = rng.standard_normal((n, m)).astype(numpy.float32)
+    err = rng.standard_normal((n, m)).astype(numpy.float32)
+    qt = rng.standard_normal((r, m)).astype(numpy.float32)
+    whole, p = mat.copy(), numpy.empty((n, r), numpy.float32)
+    _native.ef_project(whole, err, qt, p, n, m, r)
+    for i in range(n):
+        row, pi = mat[i:i + 1].copy(), numpy.empty((1, r), numpy.float32)
+        _native.ef_project(row, err[i:i + 1].copy(), qt, pi, 1, m, r)
+        numpy.testing.assert_array_equal(row, whole[i:i + 1])
+        numpy.testing.assert_array_equal(pi, p[i:i + 1])

@@ -49,10 +49,6 @@ from chainermn_overlap.optimizers.sharding import state as sharding_state
 __all__ = ['ReduceScatterMean', 'ShardedPolicy']
 
 _EMPTY = numpy.empty(0, dtype=numpy.float32)
-# Buckets whose full buffer may wait for its reduce-scatter while backward
-# fills the next: what bounds the gradients a rank holds during backward
-# when the link is slower than the compute.
-IN_FLIGHT = 2
 
 
 def _xp(bucket):
@@ -178,6 +174,10 @@ class ShardedPolicy(object):
     # 0.117] of scalability, and stage 1, also freed from the throttle, +0.196
     # [0.091, 0.268] (benchmarks/results/sharding_waits.json).
     gather_wait = 'sleep'
+    # How many full gradient buffers may wait for their reduce-scatter while
+    # backward goes on: (n, 'bytes' or 'buckets'), set by the optimizer from
+    # shard_in_flight (throttle()).
+    in_flight = None
 
     def __init__(self, actual, wait, reducer, timeline, rank, unit,
                  release_grads, mpi_comm, iteration, control=None,
@@ -271,13 +271,22 @@ class ShardedPolicy(object):
             self.cut_states()
 
     def throttle(self):
-        """Before a bucket's buffer is filled: at most ``IN_FLIGHT``
-        earlier buckets may still wait for their reduce-scatter."""
-        waiting = [b for b in self.buckets
-                   if b.buffer is not None and b.handle is not None
-                   and not b.handle.done()]
-        while len(waiting) >= IN_FLIGHT:
-            self.reducer.wait_bucket(waiting.pop(0))
+        """Before a bucket's buffer is filled: while the full buffers still
+        waiting for their reduce-scatter reach ``in_flight`` (bytes or
+        buckets), wait for the oldest (what bounds the gradients a rank
+        holds during backward when the link is slower than the compute)."""
+        limit, unit = self.in_flight
+        waiting = []
+        for b in self.buckets:
+            buf = b.buffer     # the communication thread drops it when done
+            if buf is not None and b.handle is not None \
+                    and not b.handle.done():
+                waiting.append((b, buf.nbytes if unit == 'bytes' else 1))
+        held = sum(n for _, n in waiting)
+        while waiting and held >= limit:
+            bucket, n = waiting.pop(0)
+            self.reducer.wait_bucket(bucket)
+            held -= n
 
     def _check(self):
         key = (tuple(map(id, self.actual._hookable._pre_update_hooks
