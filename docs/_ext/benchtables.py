@@ -245,4 +245,12 @@ def sharding_figures(d):
     for key in ('chainermn', 'none', 'optimizer', 'gradients', 'parameters'):
         out['sharding_bytes_' + key] = '%.1f' % rows[key + ':update'][
             'bytes_per_param_after_update']
+    # Stages 1 and 2 minus the unsharded optimizer on ResNet-50, with the
+    # interval, as the README quotes them.
+    res = d.get('speed', {}).get('resnet50', {}).get('rows', {})
+    for key in ('optimizer', 'gradients'):
+        r = res.get('overlap_forward_shard_' + key, {})
+        if r.get('minus_unsharded') is not None:
+            out['sharding_resnet50_' + key] = '%+.3f [%+.3f, %+.3f]' % (
+                r['minus_unsharded'], *r['minus_unsharded_ci'])
     return out

@@ -75,6 +75,7 @@ README_FIGURES = ['compression_rate', 'compression_blocking',
                   'sharding_ranks', 'sharding_bytes_none',
                   'sharding_bytes_optimizer', 'sharding_bytes_gradients',
                   'sharding_bytes_parameters',
+                  'sharding_resnet50_optimizer', 'sharding_resnet50_gradients',
                   'spatial_speedup_p2', 'spatial_peak_p2']
 
 
