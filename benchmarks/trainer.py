@@ -66,10 +66,14 @@ WIRE_OPTIONS = {
         lambda: {'shard': 'gradients', 'shard_update': 'update'},
     # The earlier ways, for A/B runs (set on the optimizer in
     # make_optimizer): the allgather polls in MPI's blocking call; stage 1
-    # waits in backward for all but two buckets' reduce-scatters.
+    # (and stage 2, below) waits in backward while two buckets wait for
+    # their reduce-scatter.
     'overlap_forward_shard_optimizer_polled_throttled':
         lambda: {'shard': 'optimizer'},
     'overlap_forward_shard_gradients_polled': lambda: {'shard': 'gradients'},
+    # Stage 2 as before shard_in_flight's default: backward waits while two
+    # buckets wait for their reduce-scatter.
+    'overlap_forward_shard_gradients_throttled': lambda: {'shard': 'gradients'},
 }
 
 
@@ -129,6 +133,7 @@ def make_optimizer(mode, comm, cfg):
     if '_polled' in mode:
         opt._overlap.policy.gather_wait = 'poll'
     if mode.endswith('_throttled'):
+        opt._overlap.policy.in_flight = (2, 'buckets')
         opt._overlap.reducer.before_new_buffer = opt._overlap.policy.throttle
     return opt
 
