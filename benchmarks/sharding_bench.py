@@ -47,18 +47,19 @@ MODULE = 'benchmarks.sharding_bench'
 RESULT_TAG = 'SHARDING_BENCH_RESULT '
 MEMORY_MODES = ['chainermn', 'none', 'optimizer', 'gradients', 'parameters',
                 'gradients_8MiB']
-# 'gradients_8MiB': shard='gradients' with shard_in_flight='8MiB' (two
-# buckets; the default has no bound for 'gradients').
+# '<shard>_<size>': that shard with shard_in_flight=<size> ('gradients_8MiB':
+# two 4 MiB chunks; the default has no bound for 'gradients').
 SPEED_MODES = ['alone', 'overlap_forward', 'overlap_forward_shard_optimizer',
                'overlap_forward_shard_gradients',
                'overlap_forward_shard_parameters']
 
 
 def ideal(mode, n):
-    """Ideal persistent bytes per parameter with Adam in float32."""
+    """Ideal persistent bytes per parameter with Adam in float32 (a bound on
+    gradients in flight, ``'<shard>_<size>'``, does not change it)."""
     return {'chainermn': 16.0, 'none': 16.0, 'optimizer': 8 + 8.0 / n,
-            'gradients': 4 + 12.0 / n, 'parameters': 16.0 / n,
-            'gradients_8MiB': 4 + 12.0 / n}[mode]
+            'gradients': 4 + 12.0 / n,
+            'parameters': 16.0 / n}[mode.partition('_')[0]]
 
 
 # ----------------------------------------------------------------------------
