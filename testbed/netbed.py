@@ -447,6 +447,14 @@ class NetBed(object):
             err = self._stop_relay()
             if self.relay_stats is None and err.strip():
                 errors.append('relay: ' + err.strip()[-500:])
+        # A signal can land while "ip netns add" runs, before the name is
+        # in self.created: every namespace bearing one of this bed's names
+        # is removed too (a later close, once that child is reaped, finds
+        # what an earlier one could not yet see).
+        owned = self.namespaces + ([self.switch] if self.switch else [])
+        present = set(list_namespaces())
+        self.created.extend(ns for ns in owned
+                            if ns in present and ns not in self.created)
         while self.created:
             ns = self.created.pop()
             proc = _run(['ip', 'netns', 'del', ns], check=False)

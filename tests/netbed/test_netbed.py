@@ -107,6 +107,34 @@ def test_time_limit_kills_the_job():
 
 
 @needs_root
+def test_namespaces_removed_on_a_signal_during_setup():
+    # A signal that lands while "ip netns add" runs, before the bed has
+    # recorded the name, once left that namespace behind. Signalled as
+    # soon as the first namespace shows, most tries land inside set-up.
+    during_setup = 0
+    for _ in range(8):
+        proc = subprocess.Popen([sys.executable, NETBED, '--rate', '50mbit',
+                                 '--', 'sleep', '30'],
+                                stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE)
+        mine = {netbed.PREFIX + '{}r{}'.format(proc.pid, r) for r in (0, 1)}
+        deadline = time.time() + 20
+        while True:
+            seen = mine.intersection(netbed.list_namespaces())
+            if seen:
+                break
+            assert proc.poll() is None, proc.communicate()
+            assert time.time() < deadline, 'namespaces never appeared'
+            time.sleep(0.001)
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=20)
+        during_setup += len(seen) < len(mine)
+        assert proc.returncode == 130, err
+        assert not mine.intersection(netbed.list_namespaces())
+    assert during_setup >= 1, 'no signal landed during set-up'
+
+
+@needs_root
 def test_namespaces_removed_on_sigterm():
     proc = subprocess.Popen([sys.executable, NETBED, '--rate', '50mbit',
                              '--', 'sleep', '30'],
