@@ -4,7 +4,12 @@ Run (as root, from the repository root; ``make bench`` runs it after the
 overlap benchmark)::
 
     python -m benchmarks.compression_bench \\
-        [--models resnet50:4:224 resnet18:8:128] [--rounds 10]
+        [--models resnet50:4:224 resnet18:8:128] [--rounds 10] \\
+        [--modes MODE ...] [--slow-modes MODE ...] [--out FILE]
+
+``--modes`` and ``--slow-modes`` run a subset (``alone`` always runs),
+for more rounds of the modes a page quotes in the same time; the README's
+headline table comes from such a run (``compression_headline.json``).
 
 Two ranks as hosts in network namespaces joined by a tc-shaped link, each
 pinned to a core of its own with one BLAS thread (``testbed/netbed.py``,
@@ -120,20 +125,22 @@ def plot(result, path):
     for ax, name in zip(axes[0], models):
         res = result['models'][name]
         links = list(res['links'])
-        modes = [m for m in MODES if m != 'alone']
+        modes = [m for m in MODES if any(
+            m in res['links'][link]['rows'] for link in links)]
         width = 0.8 / len(links)
         for i, link in enumerate(links):
             rows = res['links'][link]['rows']
-            xs = [j + i * width for j in range(len(modes))]
-            ys = [rows[m]['scalability'] for m in modes]
-            err = [[y - rows[m]['scalability_ci'][0] for y, m in
-                    zip(ys, modes)],
-                   [rows[m]['scalability_ci'][1] - y for y, m in
-                    zip(ys, modes)]]
+            shown = [(j, m) for j, m in enumerate(modes) if m in rows]
+            xs = [j + i * width for j, _ in shown]
+            ys = [rows[m]['scalability'] for _, m in shown]
+            err = [[y - rows[m]['scalability_ci'][0] for y, (_, m) in
+                    zip(ys, shown)],
+                   [rows[m]['scalability_ci'][1] - y for y, (_, m) in
+                    zip(ys, shown)]]
             ax.bar(xs, ys, width, yerr=err, capsize=2,
                    label='{} ({:.0f} Mbit/s)'.format(
                        link, res['links'][link]['rate_bit_per_s'] / 1e6))
-            ax.scatter(xs, [rows[m]['bound'] for m in modes], marker='_',
+            ax.scatter(xs, [rows[m]['bound'] for _, m in shown], marker='_',
                        s=300, color='k')
         ax.set_xticks([j + width * (len(links) - 1) / 2
                        for j in range(len(modes))])
@@ -181,9 +188,11 @@ def measure_model(spec, args, log):
                     'allreduce_bytes_per_s': link_bps,
                     'summary': cost_summary, 'config': cost_cfg},
            'links': {}}
-    for name, r in (('calibrated', rate), ('slow', rate / args.slow_factor)):
+    for name, r, modes in (('calibrated', rate, args.modes),
+                           ('slow', rate / args.slow_factor,
+                            args.slow_modes or args.modes)):
         log('{} link, {:.0f} Mbit/s'.format(name, r / 1e6))
-        run = ob.run_bed(r, dict(cfg, modes=MODES), t_compute, log)
+        run = ob.run_bed(r, dict(cfg, modes=modes), t_compute, log)
         # The slow link moves bytes slower; its cost per byte in compute is
         # the kernel's and the copies', the same as at the calibrated rate.
         rows = analyse(run, t_compute, grad_bytes, cost,
@@ -198,20 +207,34 @@ def measure_model(spec, args, log):
                     row['bound'], row['fraction_of_bound'],
                     row['bytes_per_iteration'] / 1e6,
                     ', compression {:.3f} s/it'.format(z) if z else ''))
-    cal, slow = out['links']['calibrated']['rows'], \
-        out['links']['slow']['rows']
-    out['checks'] = {
-        'float16 >= float32': cal['overlap_forward_float16']['scalability']
-        >= cal['overlap_forward']['scalability'],
-        'PowerSGD r=4 >= 0.95 (calibrated)':
-            cal['overlap_forward_powersgd4']['scalability'] >= 0.95,
-        'PowerSGD r=4 >= 0.90 (slow)':
-            slow['overlap_forward_powersgd4']['scalability'] >= 0.90,
-        'PowerSGD r=4, wait=update >= 0.95 (calibrated)':
-            cal['overlap_update_powersgd4']['scalability'] >= 0.95,
-        'PowerSGD r=4, wait=update >= 0.90 (slow)':
-            slow['overlap_update_powersgd4']['scalability'] >= 0.90,
-    }
+    out['checks'] = checks(out['links']['calibrated']['rows'],
+                           out['links']['slow']['rows'])
+    return out
+
+
+def checks(cal, slow):
+    """The targets, for the modes that were run."""
+    def scal(rows, mode):
+        return rows[mode]['scalability'] if mode in rows else None
+    wanted = [
+        ('float16 >= float32', cal, 'overlap_forward_float16',
+         lambda v: v >= scal(cal, 'overlap_forward')
+         if 'overlap_forward' in cal else None),
+        ('PowerSGD r=4 >= 0.95 (calibrated)', cal,
+         'overlap_forward_powersgd4', lambda v: v >= 0.95),
+        ('PowerSGD r=4 >= 0.90 (slow)', slow, 'overlap_forward_powersgd4',
+         lambda v: v >= 0.90),
+        ('PowerSGD r=4, wait=update >= 0.95 (calibrated)', cal,
+         'overlap_update_powersgd4', lambda v: v >= 0.95),
+        ('PowerSGD r=4, wait=update >= 0.90 (slow)', slow,
+         'overlap_update_powersgd4', lambda v: v >= 0.90),
+    ]
+    out = {}
+    for name, rows, mode, test in wanted:
+        v = scal(rows, mode)
+        ok = test(v) if v is not None else None
+        if ok is not None:
+            out[name] = ok
     return out
 
 
@@ -224,6 +247,14 @@ def parse_model(text):
         raise argparse.ArgumentTypeError(
             'a model is NAME:BATCH:INSIZE (e.g. resnet18:8:128), got {!r}'
             .format(text))
+
+
+def parse_mode(text):
+    """A mode of :data:`MODES`."""
+    if text not in MODES:
+        raise argparse.ArgumentTypeError(
+            'unknown mode {!r}; choose from {}'.format(text, ', '.join(MODES)))
+    return text
 
 
 def main(argv=None):
@@ -242,12 +273,22 @@ def main(argv=None):
     p.add_argument('--settle', type=int, default=1,
                    help='untimed iterations of each mode in every round')
     p.add_argument('--rounds', type=int, default=10)
+    p.add_argument('--modes', nargs='+', type=parse_mode, default=MODES,
+                   help='modes at both links (default: all; "alone", '
+                        'the denominator, is always run)')
+    p.add_argument('--slow-modes', nargs='+', type=parse_mode, default=None,
+                   help='modes at the slow link (default: --modes)')
     p.add_argument('--rate', default=None,
                    help='skip calibration: the calibrated link rate')
     p.add_argument('--slow-factor', type=float, default=4.0)
     p.add_argument('--out', default=os.path.join(launch.RESULTS,
                                                  'compression.json'))
     args = p.parse_args(argv)
+    for attr in ('modes', 'slow_modes'):
+        chosen = getattr(args, attr)
+        if chosen is not None:
+            setattr(args, attr, [m for m in MODES
+                                 if m == 'alone' or m in chosen])
     netbed.require_root()
     t_start = time.time()
 
@@ -257,7 +298,8 @@ def main(argv=None):
         sys.stdout.flush()
 
     result = {'benchmark': 'float16 wire and PowerSGD on the test bed',
-              'machine': machine_description(), 'modes': MODES,
+              'machine': machine_description(), 'modes': args.modes,
+              'slow_modes': args.slow_modes or args.modes,
               'models': {}}
     for spec in args.models:
         result['models'][spec[0]] = measure_model(spec, args, log)
