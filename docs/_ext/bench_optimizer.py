@@ -124,31 +124,40 @@ def _mb(nbytes):
             else '%.1f' % (nbytes / 1e6))
 
 
-def compression_table_of(model, results=RESULTS):
-    d = load('compression.json', results)['models'][model]
+def compression_table_of(model, results=RESULTS, source='compression.json'):
+    """Modes of ``source`` per link; a mode one link did not run shows
+    a dash there."""
+    d = load(source, results)['models'][model]
     cal, slow = d['links']['calibrated'], d['links']['slow']
     rows = []
     for key, label in COMPRESSION_MODES:
-        a, b = cal['rows'][key], slow['rows'][key]
-        cpu = [a['compression_seconds_per_iteration'],
-               b['compression_seconds_per_iteration']]
-        rows.append([label, _mb(a['bytes_per_iteration']), scal(a),
-                     f3(a['bound']), scal(b), f3(b['bound']),
-                     '' if max(cpu) == 0 else '%s / %s' % (f3(cpu[0]),
-                                                           f3(cpu[1]))])
+        a, b = cal['rows'].get(key), slow['rows'].get(key)
+        if a is None and b is None:
+            continue
+        cpu = [x['compression_seconds_per_iteration'] for x in (a, b)
+               if x is not None]
+        rows.append([label, _mb((a or b)['bytes_per_iteration']),
+                     scal(a) if a else '-', f3(a['bound']) if a else '-',
+                     scal(b) if b else '-', f3(b['bound']) if b else '-',
+                     '' if max(cpu) == 0 else ' / '.join(map(f3, cpu))])
     c = d['config']
-    return Table('%s, batch %d at %d px, 2 ranks: scalability [95%% '
-                 'interval] and the bed\'s bound per link'
-                 % (c['model'], c['batch'], c['insize']),
+    return Table('%s, batch %d at %d px, 2 ranks, %d rounds: scalability '
+                 '[95%% interval] and the bed\'s bound per link'
+                 % (c['model'], c['batch'], c['insize'], c['rounds']),
                  ['mode', 'MB/it', mbit(cal['rate_bit_per_s']), 'bound',
                   mbit(slow['rate_bit_per_s']), 'bound',
-                  'compression CPU s/it (both links)'], rows,
-                 ['compression.json'])
+                  'compression CPU s/it (per link)'], rows, [source])
 
 
 @table('compression')
 def compression_table(results=RESULTS):
     return compression_table_of('resnet50', results)
+
+
+@table('compression-40-rounds')
+def compression_40_rounds_table(results=RESULTS):
+    return compression_table_of('resnet50', results,
+                                'compression_40_rounds.json')
 
 
 @table('compression-light')
