@@ -98,8 +98,8 @@ def analyse(run, grad_bytes, cost, link_bytes_per_s, model):
     The compute time in the bound is one rank alone in the same rounds
     (the denominator of every scalability here), not the first guess
     taken before calibration: that guess, one short process, ran 10 %
-    faster than ``alone`` in the rounds on ResNet-18, and slower on a
-    warming machine.
+    faster than ``alone`` in the rounds on ResNet-18 (0.674 s against
+    0.745 s).
     """
     t_compute = 1.0 / run['modes']['alone']['it_per_s_median']
     rows = {}
