@@ -10,7 +10,7 @@ import chainer.functions as F
 import chainer.links as L
 from chainer import initializers
 
-from examples.imagenet.models.resnet_small import BasicBlock
+from .resnet_small import BasicBlock
 
 
 class ResNet18(chainer.Chain):
