@@ -1,23 +1,16 @@
-"""Every code block of README.md and docs/ either runs here or says why not.
+"""Every code block of README.md and docs/ either runs or says why not.
 
 A fenced block in a language a reader runs (``python``, ``sh``, ``bash``,
-``shell``, ``console``) must follow a marker line (blank lines between are
-allowed)::
-
-    <!-- test: mpi [prelude=NAME] -->   python: run at 2 ranks under mpiexec
-    <!-- test: sh -->                   shell: run from the checkout's root
-    <!-- test: args -->                 shell: each command's arguments are
-                                         parsed by its script (not run)
-    <!-- test: illustrative (why) -->   not run; the reason in the marker
-
-The markers are HTML comments: invisible on GitHub and in the built site.
-Preludes (``model``, ``trainer``, ``distconv``) are in ``snippet_job.py``.
-A renamed option or function thus fails a test, not a reader.  Blocks in
-``text`` (output) or without a language are not code.
+``shell``, ``console``) must follow a marker line; the markers are in
+``tests/documented.py``.  Here: the markers themselves, the Python blocks
+(``mpi``: one mpiexec job at 2 ranks), and the commands whose arguments are
+only parsed (``args``).  The shell blocks that run (``run``) are run by the
+command tier, ``tests/commands``.  A renamed option or function thus fails
+a test, not a reader.  Preludes (``model``, ``trainer``, ``distconv``) are
+in ``snippet_job.py``.
 """
 import json
 import os
-import re
 import shlex
 import subprocess
 import sys
@@ -25,84 +18,15 @@ import tempfile
 
 import pytest
 
+from tests.documented import (  # noqa: F401  (blocks: used by tests)
+    KINDS, REASON_KINDS, ROOT, all_blocks, blocks, command_target, commands,
+    tokens, user_env)
+
 HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(os.path.dirname(HERE))
 JOB = os.path.join(HERE, 'snippet_job.py')
 MPIEXEC = os.path.join(os.path.dirname(sys.executable), 'mpiexec')
-RUNNABLE = {'python', 'py', 'sh', 'bash', 'shell', 'console'}
-KINDS = {'mpi', 'sh', 'args', 'illustrative'}
-MARKER = re.compile(r'^\s*<!--\s*test:\s*(\w+)(.*?)-->\s*$')
-FENCE = re.compile(r'^(\s*)(`{3,}|~{3,})\s*([^`\s]*)(.*)$')
 MPI_TIMEOUT = 600
-
-
-class Block(object):
-    def __init__(self, path, line, lang, code, marker):
-        self.path, self.line, self.lang, self.code = path, line, lang, code
-        self.kind, self.options = None, {}
-        if marker is not None:
-            self.kind = marker[0]
-            for word in marker[1].split():
-                if '=' in word:
-                    k, v = word.split('=', 1)
-                    self.options[k] = v
-
-    @property
-    def where(self):
-        return '%s:%d' % (os.path.relpath(self.path, ROOT), self.line)
-
-    def __repr__(self):
-        return '<%s block at %s>' % (self.kind, self.where)
-
-
-def doc_files(root=ROOT):
-    """README.md and the pages of docs/ (not _build, _notes or _ext)."""
-    files = [os.path.join(root, 'README.md')]
-    for folder, dirs, names in os.walk(os.path.join(root, 'docs')):
-        dirs[:] = sorted(d for d in dirs if not d.startswith('_'))
-        files += [os.path.join(folder, n) for n in sorted(names)
-                  if n.endswith('.md')]
-    return [f for f in files if os.path.isfile(f)]
-
-
-def blocks(path, text=None):
-    """The fenced code blocks of a markdown file, with their markers.
-
-    Args:
-        path (str): The file (read unless ``text`` is given).
-        text (str): Its contents.
-
-    Returns:
-        list of Block: Blocks whose language is in :data:`RUNNABLE`; the
-        line is that of the block's first code line.
-    """
-    if text is None:
-        with open(path, encoding='utf-8') as f:
-            text = f.read()
-    lines = text.splitlines()
-    out, marker, i = [], None, 0
-    while i < len(lines):
-        m = MARKER.match(lines[i])
-        f = FENCE.match(lines[i])
-        if m:
-            marker = (m.group(1), m.group(2).strip())
-        elif f:
-            fence, lang = f.group(2), f.group(3).lower()
-            start, i = i + 1, i + 1
-            while i < len(lines) and not lines[i].strip().startswith(fence):
-                i += 1
-            if lang in RUNNABLE:
-                out.append(Block(path, start + 1, lang,
-                                 '\n'.join(lines[start:i]) + '\n', marker))
-            marker = None
-        elif lines[i].strip():
-            marker = None
-        i += 1
-    return out
-
-
-def all_blocks():
-    return [b for path in doc_files() for b in blocks(path)]
+RUN_OPTIONS = {'cwd', 'append', 'timeout'}  # and append:SCRIPT
 
 
 def _ids(bs):
@@ -126,22 +50,54 @@ def test_extractor_pairs_markers_with_blocks():
         ('bash', None, {}, 15)]   # a paragraph between cancels the marker
 
 
-def test_every_runnable_block_is_marked():
+def _marker_problems(bs):
     problems = ['%s: a %s block without a test marker; put one of '
-                '"<!-- test: mpi|sh|args|illustrative -->" on the '
-                'line before it (see tests/unit/test_docs_snippets.py)'
-                % (b.where, b.lang) for b in all_blocks() if b.kind is None]
+                '"<!-- test: mpi|run|args (why)|illustrative (why) -->" on '
+                'the line before it (see tests/documented.py)'
+                % (b.where, b.lang) for b in bs if b.kind is None]
     problems += ['%s: unknown test marker %r' % (b.where, b.kind)
-                 for b in all_blocks() if b.kind and b.kind not in KINDS]
+                 for b in bs if b.kind and b.kind not in KINDS]
     problems += ['%s: %s marker on a %s block' % (b.where, b.kind, b.lang)
-                 for b in all_blocks()
-                 if b.kind == 'mpi' and b.lang not in
-                 ('python', 'py')]
+                 for b in bs
+                 if (b.kind == 'mpi') != (b.lang in ('python', 'py'))
+                 and b.kind in KINDS and b.kind != 'illustrative']
+    problems += ['%s: a %s block not run must say why: "<!-- test: %s '
+                 '(the reason) -->"' % (b.where, b.kind, b.kind)
+                 for b in bs if b.kind in REASON_KINDS and not b.reason]
+    problems += ['%s: unknown option(s) %s of a run block (known: %s)'
+                 % (b.where, _unknown_run_options(b),
+                    ', '.join(sorted(RUN_OPTIONS)))
+                 for b in bs if b.kind == 'run'
+                 and _unknown_run_options(b)]
     problems += ['%s: prelude %r does not exist' % (b.where,
                                                      b.options['prelude'])
-                 for b in all_blocks() if 'prelude' in b.options
+                 for b in bs if 'prelude' in b.options
                  and b.options['prelude'] not in _preludes()]
+    return problems
+
+
+def _unknown_run_options(block):
+    return sorted(k for k in block.options if k not in RUN_OPTIONS
+                  and not k.startswith('append:'))
+
+
+def test_every_runnable_block_is_marked():
+    problems = _marker_problems(all_blocks())
     assert not problems, '\n'.join(problems)
+
+
+def test_unmarked_or_unexplained_blocks_are_reported():
+    # Negative control of the check above.
+    text = '\n'.join([
+        '```sh', 'make x', '```', '', '<!-- test: args -->', '```sh',
+        'python t.py', '```', '', '<!-- test: run colour=red -->', '```sh',
+        'ls', '```', '', '<!-- test: run -->', '```python', 'a = 1', '```'])
+    problems = _marker_problems(blocks('x.md', text))
+    assert len(problems) == 4, problems
+    assert 'without a test marker' in problems[0]
+    assert any('must say why' in p for p in problems)
+    assert any("['colour']" in p for p in problems)
+    assert any('run marker on a python block' in p for p in problems)
 
 
 def _preludes():
@@ -213,29 +169,6 @@ def test_snippets_run_at_two_ranks_and_can_fail(mpi_results):
 
 
 # ---------------------------------------------------------------------------
-# Shell commands
-# ---------------------------------------------------------------------------
-
-SH_BLOCKS = [b for b in all_blocks() if b.kind == 'sh']
-
-
-def _venv_env():
-    env = dict(os.environ)
-    env['PATH'] = os.path.dirname(sys.executable) + os.pathsep + env['PATH']
-    return env
-
-
-@pytest.mark.parametrize('block', SH_BLOCKS, ids=_ids(SH_BLOCKS))
-def test_shell_block_runs(block):
-    proc = subprocess.run(['bash', '-euo', 'pipefail', '-c', block.code],
-                          cwd=ROOT, env=_venv_env(), text=True,
-                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                          timeout=300)
-    assert proc.returncode == 0, '%s exited with %d:\n%s' % (
-        block.where, proc.returncode, proc.stdout[-3000:])
-
-
-# ---------------------------------------------------------------------------
 # Command lines whose arguments are checked
 # ---------------------------------------------------------------------------
 
@@ -267,60 +200,7 @@ sys.exit('%s ended without calling ArgumentParser.parse_args: its '
 '''
 
 
-def commands(code):
-    """Splits a shell block into commands (continuations joined).
-
-    Returns:
-        list of list of str: One token list per command, comments removed.
-    """
-    out = []
-    for line in code.replace('\\\n', ' ').splitlines():
-        tokens = shlex.split(line, comments=True)
-        if tokens:
-            out.append(tokens)
-    return out
-
-
-def _is_program(token):
-    name = os.path.basename(token)
-    return bool(re.match(r'^python[\d.]*$', name)) or \
-        name == 'chainermn-overlap-launch'
-
-
-def command_target(tokens):
-    """What a command runs: ``('module'|'path', name, args)``.
-
-    Understands ``[VAR=value ...] [mpiexec -n N] python (-m MOD | SCRIPT)
-    ARGS`` and the console script ``chainermn-overlap-launch ARGS``.
-
-    Raises:
-        ValueError: For any other command (it cannot be checked).
-    """
-    i = 0
-    while i < len(tokens) and re.match(r'^\w+=', tokens[i]):
-        i += 1
-    if i < len(tokens) and os.path.basename(tokens[i]) in ('mpiexec',
-                                                           'mpirun'):
-        # mpiexec's own options (-n 4, -hosts a,b, -genv X 1, ...) end at
-        # the program.
-        i += 1
-        while i < len(tokens) and not _is_program(tokens[i]):
-            i += 1
-    if i < len(tokens) and os.path.basename(tokens[i]) == \
-            'chainermn-overlap-launch':
-        return 'module', 'chainermn_overlap.launch', tokens[i + 1:]
-    if i < len(tokens) and re.match(r'^python[\d.]*$',
-                                    os.path.basename(tokens[i])):
-        rest = tokens[i + 1:]
-        if rest[:1] == ['-m']:
-            return 'module', rest[1], rest[2:]
-        if rest:
-            return 'path', rest[0], rest[1:]
-    raise ValueError('cannot check %r: write it as "python SCRIPT ARGS" or '
-                     'mark the block illustrative' % ' '.join(tokens))
-
-
-ARG_COMMANDS = [(b, c) for b in all_blocks() if b.kind == 'args'
+ARG_COMMANDS = [(b, tokens(c)) for b in all_blocks() if b.kind == 'args'
                 for c in commands(b.code)]
 
 
@@ -341,7 +221,7 @@ def test_command_target_reads_the_forms_used():
 def _check_args(tokens):
     kind, target, args = command_target(tokens)
     return subprocess.run([sys.executable, '-c', _CHECK_ARGS, kind, target]
-                          + args, cwd=ROOT, env=_venv_env(), text=True,
+                          + args, cwd=ROOT, env=user_env(), text=True,
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                           timeout=120)
 
