@@ -21,6 +21,11 @@ Two sources of commands:
           Python command (``append:train.py`` to those running train.py),
           to run a documented size that is too long for a test at a
           smaller one (argparse takes an option's last value)
+      <!-- test: wheel -->
+          shell: the wheel's install lines, run as typed by ``make
+          test-wheel`` (``tests/wheel_check.py``) from a copy of the
+          checkout with a home folder of its own; every page's wheel block
+          must be the same
       <!-- test: args (why it is not run) -->
           shell: each command's arguments parsed by its script, not run
       <!-- test: illustrative (why) -->
@@ -42,7 +47,7 @@ import sys
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 RUNNABLE = {'python', 'py', 'sh', 'bash', 'shell', 'console'}
-KINDS = {'mpi', 'run', 'args', 'illustrative'}
+KINDS = {'mpi', 'run', 'wheel', 'args', 'illustrative'}
 # Kinds whose marker must give the reason the block is not run.
 REASON_KINDS = {'args', 'illustrative'}
 MARKER = re.compile(r'^\s*<!--\s*test:\s*(\w+)(.*?)-->\s*$')

@@ -83,3 +83,31 @@ def test_every_source_folder_the_tests_import_is_copied():
     assert not missing, (
         'tests import %s, which tests/wheel_check.py does not copy beside '
         'them (COPIED_TREES)' % missing)
+
+
+def _pages(root, *wheel_blocks):
+    os.makedirs(os.path.join(root, 'docs'))
+    for name, code in zip(('README.md', 'docs/installation.md'),
+                          wheel_blocks):
+        with open(os.path.join(root, name), 'w') as f:
+            f.write('Install:\n\n<!-- test: wheel -->\n```sh\n%s```\n' % code)
+
+
+def test_the_pages_wheel_block_is_what_runs(tmp_path):
+    block = 'python3 -m venv ~/e\n~/e/bin/pip install "$(ls dist/*.whl)"\n'
+    _pages(str(tmp_path), block, block)
+    code, where = wheel_check.wheel_block(str(tmp_path))
+    assert code == block
+    assert where == ['README.md:5', 'docs/installation.md:5']
+
+
+def test_wheel_blocks_that_differ_are_refused(tmp_path):
+    _pages(str(tmp_path), 'pip install a.whl\n', 'pip install b.whl\n')
+    with pytest.raises(wheel_check.CheckFailed, match='differ between'):
+        wheel_check.wheel_block(str(tmp_path))
+
+
+def test_the_readme_has_a_wheel_block():
+    code, where = wheel_check.wheel_block(wheel_check.ROOT)
+    assert 'README.md' in where[0]
+    assert 'PIP_BUILD_CONSTRAINT' in code and '[mpich]' in code
