@@ -131,6 +131,13 @@ docs: venv docs-deps
 	    docs docs/_build/html
 	$(PY) docs/_ext/check_links.py docs/_build/html
 
+# The tables and figures written into docs/*.md, rewritten from
+# benchmarks/results/*.json: run it after a benchmark rewrote its JSON
+# (make docs and make test fail while a page differs from the results).
+.PHONY: docs-figures
+docs-figures: venv
+	$(PY) docs/_ext/benchtables.py --write
+
 # The package as users get it: sdist and wheel by `python -m build`, the
 # wheel installed into a fresh venv (not editable), the unit tests, one MPI
 # test file and the console script run against it from a folder without

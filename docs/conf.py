@@ -3,8 +3,10 @@
 Built by ``make docs`` (HTML into ``docs/_build/html``, warnings as
 errors).  Topic pages are MyST markdown (``docs/*.md``); the API reference
 (``docs/api/``) is generated from the packages' ``__all__`` by the local
-extension ``_ext/apiref.py``; the performance tables are generated from
-``benchmarks/results/*.json`` by ``_ext/benchtables.py``.
+extension ``_ext/apiref.py``.  The performance tables and figures are
+written into the pages (``make docs-figures``) from
+``benchmarks/results/*.json``; ``_ext/benchtables.py`` warns of any that
+differ from the results.
 """
 import os
 import sys
@@ -41,10 +43,7 @@ root_doc = 'index'
 exclude_patterns = ['_build', '_notes', '_ext', 'requirements.txt',
                     'Thumbs.db', '.DS_Store']
 
-myst_enable_extensions = ['substitution', 'colon_fence', 'deflist']
-# Figures quoted in the prose, from benchmarks/results (``{{ name }}``).
-import benchtables  # noqa: E402
-myst_substitutions = benchtables.figures()
+myst_enable_extensions = ['colon_fence', 'deflist']
 # Headings up to level 3 get anchors, so ``page.md#a-heading`` links work
 # (and a broken one is a warning, hence an error).
 myst_heading_anchors = 3

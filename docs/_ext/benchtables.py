@@ -1,24 +1,23 @@
-"""Performance tables generated from ``benchmarks/results/*.json``.
+"""Performance tables and figures from ``benchmarks/results/*.json``.
 
 Each table is a function of the results directory registered under a name
-with :func:`table`; ``docs/performance.md`` shows one with
+with :func:`table`; :func:`figures` gives the numbers the prose and the
+README quote, by name.  The pages hold them written in, as plain Markdown
+between HTML comments (``<!-- bench-table overlap -->``; the forms are in
+:mod:`benchregions`), so that they read the same on GitHub and in the
+site.  After a benchmark rerun rewrote its JSON::
 
-.. code-block:: markdown
+    python docs/_ext/benchtables.py --write     # make docs-figures
 
-    ```{bench-table} overlap
-    ```
-
-and the machine a result file was measured on with ``{bench-machine}
-overlap.json``.  A benchmark rerun that rewrites its JSON therefore updates
-its table at the next ``make docs``; a result file that lost a key the
-table reads fails the build (a warning, an error under ``-W``) rather than
-showing a stale figure.  :func:`figures` gives the few numbers the prose
-and the README quote, by name (``{{ overlap_forward }}`` in MyST pages, and
-``tests/unit/test_docs.py`` checks the README's against them).
+rewrites every region of ``docs/*.md``; ``--check`` only reports.  A region
+that differs from what the results give, or a result file that lost a key
+a table reads, is a warning of ``make docs`` (an error under ``-W``: the
+``source-read`` hook of :func:`setup`) and a failure of
+``tests/unit/test_docs.py``, which also checks the README's figures.
 
 The tables live in :mod:`bench_optimizer` and :mod:`bench_distconv`, the
 machinery in :mod:`benchcore`.  The functions need only the standard
-library, so tests import them without Sphinx.
+library, so tests and the command line use them without Sphinx.
 """
 import os
 import sys
@@ -143,91 +142,6 @@ def figures(results=RESULTS):
     }
 
 
-# ----------------------------------------------------------------------------
-# Sphinx
-# ----------------------------------------------------------------------------
-
-def setup(app):
-    from docutils import nodes
-    from docutils.parsers.rst import Directive
-    from sphinx.util import logging
-
-    logger = logging.getLogger(__name__)
-
-    def _inline(text):
-        # Cells and the machine line mark code with single backticks, as
-        # markdown does; built here so that it reads the same from MyST and
-        # reST pages.
-        out = []
-        for i, part in enumerate(text.split('`')):
-            if part:
-                out.append(nodes.literal(part, part) if i % 2
-                           else nodes.Text(part))
-        return out
-
-    def build(t):
-        tbl = nodes.table()
-        tbl += nodes.title(t.title, t.title)
-        group = nodes.tgroup(cols=len(t.header))
-        tbl += group
-        for _ in t.header:
-            group += nodes.colspec(colwidth=1)
-        head, body = nodes.thead(), nodes.tbody()
-        group += head
-        group += body
-        for target, cells in ((head, [t.header]), (body, t.rows)):
-            for row in cells:
-                r = nodes.row()
-                for cell in row:
-                    e = nodes.entry()
-                    p = nodes.paragraph()
-                    p += _inline(cell)
-                    e += p
-                    r += e
-                target += r
-        return tbl
-
-    class BenchTable(Directive):
-        """``bench-table NAME``: the generated table ``NAME``."""
-        required_arguments = 1
-
-        def run(self):
-            name = self.arguments[0]
-            if name not in TABLES:
-                raise self.error('unknown bench-table %r; known: %s'
-                                 % (name, ', '.join(sorted(TABLES))))
-            try:
-                t = TABLES[name]()
-            except (OSError, KeyError, ValueError, TypeError) as e:
-                logger.warning('bench-table %s: cannot build it from '
-                               'benchmarks/results: %s: %s', name,
-                               type(e).__name__, e,
-                               location=(self.state.document.current_source,
-                                         self.lineno))
-                return []
-            return [build(t)]
-
-    class BenchMachine(Directive):
-        """``bench-machine FILE.json``: where that result was measured."""
-        required_arguments = 1
-
-        def run(self):
-            try:
-                text = machine_text(self.arguments[0])
-            except (OSError, KeyError, ValueError) as e:
-                logger.warning('bench-machine %s: %s', self.arguments[0], e,
-                               location=(self.state.document.current_source,
-                                         self.lineno))
-                return []
-            p = nodes.paragraph()
-            p += _inline('From ' + text)
-            return [p]
-
-    app.add_directive('bench-table', BenchTable)
-    app.add_directive('bench-machine', BenchMachine)
-    return {'parallel_read_safe': True, 'parallel_write_safe': True}
-
-
 def model_text(config):
     """``ResNet-18 at 128x128, batch 8 per rank`` from a result's config."""
     return '%s at %dx%d, batch %d per rank' % (
@@ -254,3 +168,66 @@ def sharding_figures(d):
             out['sharding_resnet50_' + key] = '%+.3f [%+.3f, %+.3f]' % (
                 r['minus_unsharded'], *r['minus_unsharded_ci'])
     return out
+
+
+# ----------------------------------------------------------------------------
+# Sphinx, and the command line
+# ----------------------------------------------------------------------------
+
+def setup(app):
+    """Warns of every region of a page that the results do not give."""
+    from sphinx.util import logging
+    import benchregions
+
+    logger = logging.getLogger(__name__)
+    gen = {}
+
+    def read(app, docname, source):
+        if 'gen' not in gen:
+            gen['gen'] = benchregions.Generator()
+        for line, message in benchregions.check(source[0], gen=gen['gen']):
+            logger.warning(message, location=(docname, line))
+
+    app.connect('source-read', read)
+    return {'parallel_read_safe': True, 'parallel_write_safe': True}
+
+
+def main(argv=None):
+    """``--write`` rewrites the regions of the pages from the results,
+    ``--check`` reports what differs; the exit status is 1 on any problem
+    left."""
+    import argparse
+    import benchregions
+
+    parser = argparse.ArgumentParser(
+        prog='docs/_ext/benchtables.py', description=main.__doc__)
+    mode = parser.add_mutually_exclusive_group(required=True)
+    mode.add_argument('--write', action='store_true')
+    mode.add_argument('--check', action='store_true')
+    parser.add_argument('--results', default=RESULTS,
+                        help='the results folder (default: %(default)s)')
+    parser.add_argument('pages', nargs='*', help='default: docs/*.md')
+    args = parser.parse_args(argv)
+    gen = benchregions.Generator(args.results)
+    bad = 0
+    for path in args.pages or benchregions.pages():
+        with open(path, encoding='utf-8') as f:
+            text = f.read()
+        if args.write:
+            new = benchregions.refresh(text, gen=gen)[0]
+            if new != text:
+                with open(path, 'w', encoding='utf-8') as f:
+                    f.write(new)
+                sys.stdout.write('rewrote %s\n' % os.path.relpath(path))
+            text = new
+        # What is left (or, with --check, what --write would change).
+        problems = benchregions.check(text, gen=gen)
+        for line, message in problems:
+            sys.stderr.write('%s:%d: %s\n' % (os.path.relpath(path), line,
+                                               message))
+        bad += len(problems)
+    return 1 if bad else 0
+
+
+if __name__ == '__main__':
+    sys.exit(main())

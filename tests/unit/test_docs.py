@@ -3,8 +3,9 @@
 ``make docs`` builds the site with warnings as errors; these tests keep the
 parts it relies on honest and fast to check in ``make test``: the README's
 size, links and figures, the API-reference completeness check, the
-performance tables from ``benchmarks/results``, the internal link checker
-and the toctree fallback for new pages.
+performance tables and figures written into the pages (each the same as
+``benchmarks/results`` gives), the internal link checker and the toctree
+fallback for new pages.
 """
 import os
 import re
@@ -19,6 +20,7 @@ DOCS = os.path.join(ROOT, 'docs')
 sys.path.insert(0, os.path.join(DOCS, '_ext'))
 
 import apiref  # NOQA: E402
+import benchregions  # NOQA: E402
 import benchtables  # NOQA: E402
 import check_links  # NOQA: E402
 
@@ -99,29 +101,129 @@ def test_table_builds_from_the_current_results(name):
         assert os.path.isfile(os.path.join(benchtables.RESULTS, source))
 
 
+def _regions(kind):
+    out = []
+    for name, text in _pages().items():
+        out += [(name, r.name) for r in benchregions.regions(text)[0]
+                if r.kind == kind]
+    return out
+
+
 def test_the_pages_show_every_table_once_and_only_those():
     # Most tables are on the performance page; a topic's own page (the
     # multi-host soak on multihost.md) may hold its table instead.
-    used = []
-    for page in sorted(os.listdir(os.path.join(ROOT, 'docs'))):
-        if not page.endswith('.md'):
-            continue
-        text = _read('docs', page)
-        used += re.findall(r'^```\{bench-table\}\s+(\S+)', text, re.M)
-        for name in re.findall(r'^```\{bench-machine\}\s+(\S+)', text,
-                               re.M):
-            assert benchtables.machine_text(name).startswith('`benchmarks/')
+    used = [name for _, name in _regions('bench-table')]
     assert sorted(used) == sorted(benchtables.TABLES)
+    # Each table's result files are named by a machine line on its page.
+    machines = set(_regions('bench-machine'))
+    for page, name in _regions('bench-table'):
+        for source in benchtables.TABLES[name]().sources:
+            assert (page, source) in machines, (page, name, source)
+
+
+@pytest.mark.parametrize('page', sorted(_pages()))
+def test_every_region_of_the_pages_is_what_the_results_give(page):
+    # A stale or hand-edited figure, a marker without its pair, a figure
+    # hidden by starting a line, and the directives and substitutions
+    # that show raw on GitHub all fail here (and warn in make docs).
+    problems = benchregions.check(_pages()[page])
+    assert not problems, '\n'.join(
+        'docs/%s:%d: %s' % (page, line, msg) for line, msg in problems)
+
+
+def test_the_pages_hold_their_figures_written_in():
+    figs = _regions('fig')
+    assert len(figs) >= 20 and {'performance.md', 'multihost.md',
+                               'compression.md'} <= {p for p, _ in figs}
+    for text in _pages().values():
+        assert not re.search(r'\{bench-(table|machine)\}|\{\{', text)
+
+
+def _copy_results(tmp_path):
+    import shutil
+    for name in os.listdir(benchtables.RESULTS):
+        if name.endswith('.json'):
+            shutil.copy(os.path.join(benchtables.RESULTS, name), tmp_path)
+
+
+def test_a_tampered_figure_in_a_page_is_reported():
+    text = _read('docs', 'performance.md')
+    assert benchregions.check(text) == []
+    fig = benchtables.figures()['compression_float32']
+    marked = '<!-- fig compression_float32 -->%s<!-- /fig -->' % fig
+    assert marked in text
+    tampered = text.replace(marked, marked.replace(fig, '0.999'), 1)
+    problems = benchregions.check(tampered)
+    assert len(problems) == 1
+    line, message = problems[0]
+    assert 'fig compression_float32 differs' in message
+    assert tampered.splitlines()[line - 1].count('0.999') == 1
+    # A table cell edited by hand, and the rewrite that repairs both.
+    row = '| ChainerMN blocking | 0.253 (0.239, 0.257) | 0.667 |  |'
+    assert row in text
+    tampered = tampered.replace(row, row.replace('0.667', '0.700'))
+    problems = benchregions.check(tampered)
+    assert [m.split(' differs')[0] for _, m in problems] == [
+        'fig compression_float32', 'bench-table overlap']
+    assert benchregions.refresh(tampered)[0] == text
+
+
+def test_a_result_that_lost_a_key_is_reported(tmp_path):
+    import json
+    _copy_results(tmp_path)
+    text = _read('docs', 'performance.md')
+    assert benchregions.check(text, str(tmp_path)) == []
+    path = tmp_path / 'overhead.json'
+    d = json.loads(path.read_text())
+    del d['median_seconds']
+    path.write_text(json.dumps(d))
+    problems = benchregions.check(text, str(tmp_path))
+    assert len(problems) == 1
+    assert 'bench-table overhead: cannot build it' in problems[0][1]
+    assert "KeyError: 'median_seconds'" in problems[0][1]
+
+
+def test_marker_mistakes_are_reported():
+    fig = benchtables.figures()['gradient_mb']
+    cases = {
+        # starts a line: an HTML block, which hides the figure
+        'a\n<!-- fig gradient_mb -->%s<!-- /fig --> MB\n' % fig:
+            'starts a line',
+        'a <!-- fig gradient_mb -->%s MB\n' % fig: 'is not closed',
+        'a %s<!-- /fig --> MB\n' % fig: 'without its opening',
+        'a <!-- fig gradient_mb -->\n%s<!-- /fig -->\n' % fig: 'spans lines',
+        'a <!-- fig no_such_figure -->1<!-- /fig -->\n': 'no figure',
+        'x <!-- bench-table overlap -->\n<!-- /bench-table -->\n':
+            'alone on its line',
+        '```{bench-table} overlap\n```\n': '{bench-table} directive',
+        'like {{ gradient_mb }} MB\n': '{{ gradient_mb }} substitution',
+    }
+    for text, expected in cases.items():
+        messages = [m for _, m in benchregions.check(text)]
+        assert any(expected in m for m in messages), (text, messages)
+    ok = 'a <!-- fig gradient_mb -->%s<!-- /fig --> MB\n' % fig
+    assert benchregions.check(ok) == []
+
+
+def test_the_command_line_rewrites_and_checks(tmp_path):
+    page = tmp_path / 'page.md'
+    page.write_text('# P\n\n<!-- bench-machine overlap.json -->\n'
+                    '<!-- /bench-machine -->\n\nsome '
+                    '<!-- fig gradient_mb -->1<!-- /fig --> MB\n')
+    assert benchtables.main(['--check', str(page)]) == 1
+    assert benchtables.main(['--write', str(page)]) == 0
+    text = page.read_text()
+    assert 'From `benchmarks/results/overlap.json`: ' in text
+    assert '<!-- fig gradient_mb -->%s<!-- /fig -->' % \
+        benchtables.figures()['gradient_mb'] in text
+    assert benchtables.main(['--check', str(page)]) == 0
 
 
 def test_tables_follow_the_json(tmp_path):
     # A changed result changes the table: copy the results, alter one
     # figure, rebuild.
     import json
-    import shutil
-    for name in os.listdir(benchtables.RESULTS):
-        if name.endswith('.json'):
-            shutil.copy(os.path.join(benchtables.RESULTS, name), tmp_path)
+    _copy_results(tmp_path)
     before = benchtables.overlap_table(str(tmp_path)).rows[1][2]
     path = tmp_path / 'overlap.json'
     d = json.loads(path.read_text())
@@ -129,14 +231,11 @@ def test_tables_follow_the_json(tmp_path):
     path.write_text(json.dumps(d))
     assert before != '0.500'
     assert benchtables.overlap_table(str(tmp_path)).rows[1][2] == '0.500'
-
-
-def test_every_substitution_in_the_pages_is_defined():
-    figures = benchtables.figures()
-    used = set()
-    for text in _pages().values():
-        used.update(re.findall(r'\{\{\s*(\w+)\s*\}\}', text))
-    assert used and used <= set(figures), used - set(figures)
+    # ... and so the page that shows it no longer matches.
+    problems = benchregions.check(_read('docs', 'performance.md'),
+                                  str(tmp_path))
+    assert [m.split(' differs')[0] for _, m in problems] == [
+        'bench-table overlap']
 
 
 # ---------------------------------------------------------------------------
