@@ -239,6 +239,37 @@ def test_tables_follow_the_json(tmp_path):
 
 
 # ---------------------------------------------------------------------------
+# Glossary
+# ---------------------------------------------------------------------------
+
+def _slug(heading):
+    # The anchor GitHub and MyST both give a heading.
+    return re.sub(r'[^\w\- ]', '', heading.strip().lower()).replace(' ', '-')
+
+
+def test_glossary_terms_are_defined_once_and_links_to_them_resolve():
+    terms = re.findall(r'^## (.+)$', _read('docs', 'glossary.md'), re.M)
+    slugs = [_slug(t) for t in terms]
+    assert len(slugs) >= 15 and len(set(slugs)) == len(slugs)
+    assert 'reference-figures' in slugs and 'test-bed' in slugs
+    links = []
+    for name, text in _pages().items():
+        # Links into the glossary, and the glossary's links to itself.
+        prefix = '#' if name == 'glossary.md' else 'glossary.md#'
+        links += [(name, a) for a in re.findall(
+            r'\]\(%s([\w-]+)\)' % re.escape(prefix), text)]
+    assert len(links) > 10
+    bad = [(page, a) for page, a in links if a not in slugs]
+    assert not bad, bad
+
+
+def test_no_page_refers_to_internal_tickets():
+    for name, text in _pages().items():
+        assert not re.search(r'\bissue\b|\bissue\'s\b|\bthe target\b',
+                             text, re.I), name
+
+
+# ---------------------------------------------------------------------------
 # API reference
 # ---------------------------------------------------------------------------
 
