@@ -11,11 +11,11 @@ export PIP_BUILD_CONSTRAINT := $(CURDIR)/constraints.txt
 export OMP_NUM_THREADS ?= 1
 export OPENBLAS_NUM_THREADS ?= 1
 export MKL_NUM_THREADS ?= 1
-NP_LIST ?= 1 2 3 4
 TEST_TIMEOUT ?= 1200
+export TEST_TIMEOUT
 
-.PHONY: venv demo test test-unit test-mpi test-netbed bench bench-deps clean \
-	docs docs-deps test-wheel
+.PHONY: venv demo test test-unit test-commands test-mpi test-netbed bench \
+	bench-deps clean docs docs-deps test-wheel
 
 venv: $(STAMP)
 
@@ -30,42 +30,47 @@ demo: venv
 	$(MPIEXEC) -n 2 $(PY) examples/imagenet/train_imagenet.py --arch resnet50 \
 	    --optimizer overlap --batchsize 2 --iterations 6 --insize 224
 
-test: venv test-unit test-mpi test-shard test-netbed
+# make test: every tier (tests/tiers.py --list names them), the MPI ones in
+# one lane beside the unit, command and network-bed tiers in another, then
+# the tests that assert a measured time alone.  TIERS='unit mpi-2' runs some.
+TIERS ?=
+test: venv netbed-deps
+	$(PY) tests/tiers.py $(if $(TIERS),--only $(TIERS))
 
 test-unit: venv
-	$(PY) -m pytest -q -p no:cacheprovider tests/unit
+	$(PY) tests/tiers.py --only unit
+
+test-commands: venv
+	$(PY) tests/tiers.py --only commands
 
 test-mpi: venv
-	@set -e; for n in $(NP_LIST); do \
-	    echo "== MPI tests at $$n rank(s) =="; \
-	    $(PY) tests/mpi_run.py -n $$n --timeout $(TEST_TIMEOUT) -- tests/mpi; \
-	done
+	$(PY) tests/tiers.py --only mpi
 
 # The equivalence suites again with every sharding mode (shard=...), bit
-# for bit at 2 ranks; tests/mpi/test_sharding.py runs in test-mpi.
-SHARD_MODES ?= optimizer gradients parameters
-SHARD_NP_LIST ?= 2 3
-.PHONY: test-shard
+# for bit at 2 ranks, uneven shards at 3; tests/mpi/test_sharding.py runs
+# in test-mpi.
+.PHONY: test-shard test-timing netbed-deps
 test-shard: venv
-	@set -e; for s in $(SHARD_MODES); do for n in $(SHARD_NP_LIST); do \
-	    echo "== MPI tests with shard='$$s' at $$n rank(s) =="; \
-	    CHAINERMN_OVERLAP_TEST_SHARD=$$s $(PY) tests/mpi_run.py -n $$n \
-	        --timeout $(TEST_TIMEOUT) -- tests/mpi/test_equivalence.py \
-	        tests/mpi/test_changed_params.py tests/mpi/test_autosync.py -q; \
-	done; done
+	$(PY) tests/tiers.py --only shard
+
+test-timing: venv
+	$(PY) tests/tiers.py --only timing
 
 # The network test bed needs root and iproute2, its multi-host tests also
 # openssh-server and util-linux (unshare); as root they are installed here
 # when missing.  Without root or namespaces the tests skip, saying why.
-test-netbed: venv
+netbed-deps:
 	@if [ "$$(id -u)" = 0 ] && { ! command -v tc >/dev/null || \
 	    ! [ -x /usr/sbin/sshd ] || ! command -v ssh >/dev/null || \
 	    ! command -v unshare >/dev/null; }; then \
+	    echo "installing iproute2, openssh-server, util-linux for the network test bed"; \
 	    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get \
 	     install -y -qq --no-install-recommends iproute2 openssh-server \
 	     openssh-client util-linux) >/dev/null 2>&1 \
 	    || echo "could not install iproute2/openssh-server: the tests that need them will skip"; fi
-	$(PY) -m pytest -q -p no:cacheprovider -rs tests/netbed
+
+test-netbed: venv netbed-deps
+	$(PY) tests/tiers.py --only netbed
 
 # The benchmark's own set-up: iproute2 (ip, tc) for the network namespaces,
 # matplotlib for the plots, scikit-learn for its bundled digits data set
@@ -111,7 +116,7 @@ bench-hosts: venv
 	$(PY) -m benchmarks.hosts_soak $(HOSTS_SOAK_ARGS)
 
 clean:
-	rm -rf $(VENV) .mpi-logs build dist *.egg-info docs/_build
+	rm -rf $(VENV) .mpi-logs .test-logs build dist *.egg-info docs/_build
 
 # The documentation site: HTML into docs/_build/html, warnings as errors, a
 # fresh environment each time (the API completeness check needs every page

@@ -17,6 +17,10 @@ import pytest
 import chainermn_overlap
 from chainermn_overlap.testing import models
 
+# A measured fraction of time: run alone (the timing tier), not beside
+# another suite.
+pytestmark = pytest.mark.timing
+
 
 def _measure(comm, wait, bucket_size, iterations=7, warmup=2):
     model = models.Deep(8, 1024, loss=models.sum_of_squares)

@@ -61,6 +61,7 @@ def ours():
     return [n for n in netbed.list_namespaces() if n.startswith(tag)]
 
 
+@pytest.mark.timing  # a measured rate
 @needs_root
 def test_measured_bandwidth_follows_the_configured_rate():
     results = {}

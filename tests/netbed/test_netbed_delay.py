@@ -79,6 +79,7 @@ def _oneway(bed, count=20, port=5201):
     return json.loads(client.stdout)
 
 
+@pytest.mark.timing  # measured delays
 @needs_root
 def test_delay_applies_to_every_frame_both_ways():
     with netbed.NetBed(2, '400mbit') as bed:
@@ -116,6 +117,7 @@ def test_delay_applies_to_every_frame_both_ways():
     assert ours() == []
 
 
+@pytest.mark.timing  # measured delays
 @needs_root
 def test_mpi_small_messages_pay_the_round_trip():
     with netbed.NetBed(2, '400mbit', delay=DELAY) as bed:
@@ -130,6 +132,7 @@ def test_mpi_small_messages_pay_the_round_trip():
     assert ours() == [] and _relay_pids() == []
 
 
+@pytest.mark.timing  # measured delays
 @needs_root
 def test_switch_delays_each_cable():
     # With more than 2 ranks each rank's cable to the switch carries the

@@ -10,6 +10,8 @@ import json
 import os
 import sys
 
+import pytest
+
 from testbed import netbed
 from test_netbed import needs_root
 
@@ -17,6 +19,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 JOB = os.path.join(HERE, 'progress_job.py')
 
 
+@pytest.mark.timing  # measured CPU time of a wait
 @needs_root
 def test_waiting_for_a_late_peer_leaves_the_core_free():
     with netbed.NetBed(2, '800mbit') as bed:

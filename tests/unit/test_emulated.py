@@ -77,6 +77,7 @@ def test_backend_registered_and_configurable():
         em.configure(nodes=2, bandwidth=8000, base='nope')
 
 
+@pytest.mark.timing  # completion times within 30 ms of the model
 def test_backend_completion_follows_the_model():
     # 2 nodes at 8 kbit/s (1000 B/s): a 100 B array takes 0.1 s; posted
     # together, three complete at 0.1, 0.2 and 0.3 s; data unchanged (one
@@ -103,6 +104,7 @@ def test_backend_completion_follows_the_model():
 
 @pytest.mark.parametrize('base', sorted(
     set(backends._BACKENDS) & {'mpi_thread', 'mpi_priority'}))
+@pytest.mark.timing  # completion times within 30 ms of the model
 def test_every_engine_takes_at_least_the_modelled_time(base):
     # Whatever the engine's chunking and control exchanges, the link cannot
     # carry the bytes faster than the model: 4 x 100 B at 1000 B/s.

@@ -85,7 +85,9 @@ def test_tune_uses_slowest_rank():
                  {'grid': [c.size, 1], 'slow': False}]
 
     def build(g, cand):
-        return Net(g, delay=0.05 if cand['slow'] and c.rank == 0 else 0.0)
+        # 0.3 s a step: far above the other candidate's step even with
+        # 3 ranks on 2 cores beside another suite (0.05 s lost there once).
+        return Net(g, delay=0.3 if cand['slow'] and c.rank == 0 else 0.0)
 
     chk = Checker()
     result = distconv.tune(c, build, (2, 3, 16, 12), cands, iterations=2,
