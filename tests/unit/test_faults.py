@@ -181,3 +181,28 @@ def test_double_buffering_times_out_like_the_overlapped_optimizer():
     # Iteration 5's gradients are the ones the hung rank never posted.
     assert 'of iteration 5' in out, out
     assert 'rank 1: has NOT posted it' in out, out
+
+
+def test_abort_waits_for_the_reader_of_piped_output():
+    # abort_job lets the process manager read the abort line out of the
+    # pipe before MPI_Abort (which Hydra may handle first and then drop
+    # the unread tail): the wait sees bytes the reader has not taken, is
+    # bounded when nobody reads, and ends once the pipe is read empty.
+    from chainermn_overlap import abort
+    r, w = os.pipe()
+    try:
+        assert abort._unread(w) == 0
+        os.write(w, b'x' * 100)
+        assert abort._unread(w) == 100
+        t0 = time.monotonic()
+        abort._wait_until_read((w,), limit=0.3)
+        assert 0.3 <= time.monotonic() - t0 < 2.0
+        os.read(r, 100)
+        t0 = time.monotonic()
+        abort._wait_until_read((w,), limit=5.0)
+        assert time.monotonic() - t0 < 1.0
+    finally:
+        os.close(r)
+        os.close(w)
+    with open(__file__, 'rb') as f:   # a file keeps what it is given
+        assert abort._unread(f.fileno()) == 0
