@@ -46,8 +46,21 @@ PACE = ['--sleep', '0.03', '--log-loss']
 ELASTIC = ['--backoff', '0.2', '--min-hosts', '1', '--max-restarts', '5']
 
 
+_REFERENCES = {}
+
+
 def reference(tmp_path, pieces):
-    """Final npz of local runs: ``[(ranks, stop_at or None)]`` in turn."""
+    """Final npz of local runs: ``[(ranks, stop_at or None)]`` in turn.
+
+    Kept for the module: two tests compare with the same uninterrupted run.
+    """
+    key = tuple(pieces)
+    if key not in _REFERENCES:
+        _REFERENCES[key] = _reference(tmp_path, pieces)
+    return _REFERENCES[key]
+
+
+def _reference(tmp_path, pieces):
     out = str(tmp_path / 'reference.npz')
     for ranks, stop in pieces:
         cmd = [MPIEXEC, '-n', str(ranks), sys.executable, JOB, '--out',
