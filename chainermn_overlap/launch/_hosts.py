@@ -11,8 +11,19 @@ connect timeout and there ends what is left of the job's earlier attempts
 (:func:`chainermn_overlap.launch._rank.end_job`): a host that answers is
 usable and clean; one that does not is left out of the attempt, with the
 reason ssh gave.  After an attempt it does the same on every host of that
-attempt, so that no rank or proxy survives it on any host.
+attempt, so that no rank or proxy survives it on any host.  The answer
+also gives the host's own name, which its ranks' death records carry: the
+launcher matches those records to the listed host with it, however the
+list spells the host (an address, a short name, a full one).
+
+Host names come from files and commands, so they are checked before any
+reaches ssh or Hydra: a host name (dot-separated labels of letters, digits,
+``-`` and ``_``, none starting with ``-``) or an IPv4 address; and every ssh
+command puts ``--`` before the host.  IPv6 addresses are refused with the
+reason: Hydra's host list splits ``[fd00::1]:2`` at the first ``:``.
 """
+import ipaddress
+import json
 import os
 import re
 import shlex
@@ -22,13 +33,37 @@ import threading
 
 from chainermn_overlap.launch import _rank
 
-_LINE = re.compile(r'^([^\s:#]+)(?::(\d+)|\s+slots\s*=\s*(\d+))?\s*$')
+_LINE = re.compile(r'^(\[[^\]\s]*\]|[^\s:#]+)'
+                   r'(?::(\d+)|\s+slots\s*=\s*(\d+))?\s*$')
+_LABEL = re.compile(r'^[A-Za-z0-9_](?:[A-Za-z0-9_-]{0,61}[A-Za-z0-9_])?$')
 # Appended to the user's --ssh command (ssh takes the first value given
-# for an option, so the user's own -o options win): no prompts, and
-# keep-alives so that a session over a cut link ends within ~15 s instead
-# of blocking mpiexec's own shutdown on it.
+# for an option, so the user's own -o options win), with ConnectTimeout
+# (--connect-timeout): no prompts, and keep-alives so that a session over
+# a cut link ends within ~15 s instead of blocking mpiexec's own shutdown
+# on it.
 SSH_OPTIONS = ('-o', 'BatchMode=yes', '-o', 'ServerAliveInterval=5',
                '-o', 'ServerAliveCountMax=3')
+
+
+def host_problem(name):
+    """Why ``name`` is no host name or IPv4 address; None when it is one."""
+    if name.startswith('[') or ':' in name:
+        return ('an IPv6 address, which Hydra\'s host list cannot hold (it '
+                'splits at the first ":"); give a name that resolves to it, '
+                'e.g. from /etc/hosts')
+    if len(name) > 253:
+        return 'longer than the 253 characters of a host name'
+    labels = name.split('.')
+    if all(label.isdigit() for label in labels):
+        try:
+            ipaddress.IPv4Address(name)
+        except ValueError:
+            return 'neither a host name nor an IPv4 address'
+        return None
+    if not all(_LABEL.match(label) for label in labels):
+        return ('not a host name: letters, digits, "-" and "_" in labels '
+                'separated by ".", none starting or ending with "-"')
+    return None
 
 
 def parse_hosts(text, what):
@@ -39,8 +74,9 @@ def parse_hosts(text, what):
         what (str): where they came from, for errors.
 
     Raises:
-        ValueError: a line that is not ``host[:slots]``, slots < 1, or a
-            host listed twice.
+        ValueError: a line that is not ``host[:slots]``, a name that is no
+            host (see :func:`host_problem`), slots < 1, or a host listed
+            twice.
     """
     out = []
     entries = text.replace(',', '\n').splitlines()
@@ -54,6 +90,11 @@ def parse_hosts(text, what):
                 'launch: {} line {}: {!r} is not a host. Write one host per '
                 'line as host:SLOTS (e.g. node1:4), "host slots=SLOTS" or '
                 'host.'.format(what, number, raw.strip()))
+        problem = host_problem(m.group(1))
+        if problem:
+            raise ValueError(
+                'launch: {} line {}: {!r} is {}.'.format(
+                    what, number, m.group(1), problem))
         slots = int(m.group(2) or m.group(3) or 1)
         if slots < 1:
             raise ValueError('launch: {} line {}: {} has {} slots; give at '
@@ -103,6 +144,28 @@ def allocate(hosts, ranks):
     return out
 
 
+# The executable Hydra runs as ``-launcher-exec``, and the launcher too:
+# the user's ssh and the launcher's options, then "--" and the host, so
+# that no host is ever read as an option.  Its callers are known: Hydra
+# calls it as ``ssh -x HOST COMMAND...`` (``-x``, no X11, is the only
+# option it gives), the launcher as ``ssh -- HOST COMMAND...``; a word
+# that starts with "-" anywhere else is a host, and ssh refuses it.
+_WRAPPER = """import os
+import sys
+
+WORDS = {words!r}
+args = sys.argv[1:]
+options = []
+while args[:1] == ['-x']:
+    options.append(args.pop(0))
+if args[:1] == ['--']:
+    args.pop(0)
+if not args:
+    sys.exit('chainermn_overlap.launch ssh: no host given')
+os.execvp(WORDS[0], WORDS + options + ['--'] + args)
+"""
+
+
 class Ssh(object):
     """Reaches hosts with the user's ssh command.
 
@@ -111,6 +174,9 @@ class Ssh(object):
         connect_timeout (float): seconds for a connection to a host.
         folder (str): where to write the wrapper Hydra runs as
             ``-launcher-exec`` (it takes one executable, not words).
+
+    Attributes:
+        names (dict): host as listed -> the name it gave for itself.
     """
 
     def __init__(self, command, connect_timeout, folder):
@@ -119,17 +185,21 @@ class Ssh(object):
             raise ValueError('launch: --ssh is empty; give the command that '
                              'reaches a host (default: ssh).')
         self.connect_timeout = connect_timeout
+        self.names = {}
+        script = os.path.join(folder, 'ssh.py')
+        with open(script, 'w') as f:
+            f.write(_WRAPPER.format(words=self.words + list(SSH_OPTIONS) + [
+                '-o', 'ConnectTimeout={:d}'.format(
+                    max(1, int(round(connect_timeout))))]))
         self.wrapper = os.path.join(folder, 'ssh')
         with open(self.wrapper, 'w') as f:
-            f.write('#!/bin/sh\nexec {} {} "$@"\n'.format(
-                ' '.join(shlex.quote(w) for w in self.words),
-                ' '.join(SSH_OPTIONS)))
+            f.write('#!/bin/sh\nexec {} -I -S {} "$@"\n'.format(
+                shlex.quote(sys.executable), shlex.quote(script)))
         os.chmod(self.wrapper, 0o700)
 
     def command(self, host, remote):
         """The local command that runs ``remote`` (words) on ``host``."""
-        return ([self.wrapper, '-o', 'ConnectTimeout={:d}'.format(
-            max(1, int(round(self.connect_timeout)))), host]
+        return ([self.wrapper, '--', host]
                 + [shlex.quote(w) for w in remote])
 
     def end_job(self, hosts, job, keep=None):
@@ -161,8 +231,10 @@ class Ssh(object):
             except OSError as e:
                 verdicts[host] = 'cannot run ssh ({})'.format(e.strerror)
                 return
-            if proc.returncode == 0 and proc.stdout.startswith('ended'):
+            answer = _end_answer(proc.stdout)
+            if proc.returncode == 0 and answer is not None:
                 verdicts[host] = None
+                self.names[host] = answer['host']
                 return
             lines = [ln for ln in proc.stderr.strip().splitlines() if ln]
             verdicts[host] = 'ssh exit {}: {}'.format(
@@ -175,6 +247,23 @@ class Ssh(object):
         for t in threads:
             t.join()
         return verdicts
+
+
+def _end_answer(stdout):
+    """The record of ``_rank.py --end-job``'s line in ``stdout`` (whatever
+    else a login shell printed around it), or None."""
+    for line in stdout.splitlines():
+        if not line.startswith(_rank.END_MARK):
+            continue
+        try:
+            record = json.loads(line[len(_rank.END_MARK):])
+        except ValueError:
+            continue
+        if isinstance(record, dict) and isinstance(
+                record.get('ended'), int) and isinstance(
+                    record.get('host'), str):
+            return record
+    return None
 
 
 def discover(command, timeout=30.0):

@@ -27,7 +27,10 @@ in its environment (``CHAINERMN_OVERLAP_LAUNCH_ID``, given with mpiexec's
 ``-genv`` so that mpiexec itself does not carry it); ``--end-job JOB
 [JOB:ATTEMPT]`` SIGKILLs the job's processes on this host (but those of the
 attempt named, which is running), and the process manager's proxy that
-started them, and prints how many it ended.
+started them, and prints one line: :data:`END_MARK` and a JSON record of
+how many it ended and the host's own name (``socket.gethostname()``, the
+name its death records carry).  The launcher looks for that line among
+whatever the login shell prints.
 """
 import ctypes
 import json
@@ -45,6 +48,7 @@ JOB_ENV = 'CHAINERMN_OVERLAP_LAUNCH_ID'
 # The tag of a death record on stderr (the launcher reads and drops it).
 DEATH_TAG = 'chainermn_overlap.launch: rank ended '
 END_FLAG = '--end-job'
+END_MARK = 'chainermn_overlap.launch: end-job: '
 _PR_SET_PDEATHSIG = 1
 # Signals the parent passes on to its rank (SIGUSR1: stop at the next
 # snapshot, see chainermn_overlap.extensions).
@@ -242,7 +246,8 @@ def _command_name(pid):
 
 def main(argv):
     if argv[:1] == [END_FLAG] and len(argv) in (2, 3):
-        sys.stdout.write('ended {}\n'.format(end_job(*argv[1:])))
+        sys.stdout.write('\n{}{}\n'.format(END_MARK, json.dumps(
+            {'ended': end_job(*argv[1:]), 'host': socket.gethostname()})))
         return 0
     if not argv:
         sys.stderr.write('usage: python _rank.py COMMAND... | --end-job '

@@ -85,6 +85,10 @@ def _parser():
                        'restarts on them')
     hosts.add_argument('--discovery-interval', type=float, default=10.0,
                        help='seconds between discovery runs (default 10)')
+    hosts.add_argument('--max-resizes', type=int, default=10,
+                       help='changes of hosts that --host-discovery may make '
+                       'by stopping the job at a snapshot (default 10); then '
+                       'the job keeps its hosts')
     hosts.add_argument('--connect-timeout', type=float, default=3.0,
                        help='seconds to reach a host over ssh (default 3)')
     p.add_argument('--max-restarts', type=int, default=3,
@@ -141,6 +145,7 @@ def main(argv=None):
             ssh=args.ssh, min_hosts=args.min_hosts,
             host_discovery=args.host_discovery,
             discovery_interval=args.discovery_interval,
+            max_resizes=args.max_resizes,
             connect_timeout=args.connect_timeout)
     except (ValueError, RuntimeError) as e:
         logger.error('%s', e)

@@ -57,13 +57,17 @@ class Launcher(object):
             lines, run before each attempt and every
             ``discovery_interval`` seconds during one.
         connect_timeout (float): seconds to reach a host over ssh.
+        max_resizes (int): stops at a snapshot to change hosts that
+            discovery may ask for; after that the job keeps its hosts
+            (a source whose list flaps must not restart it forever).
     """
 
     def __init__(self, command, ranks=None, max_restarts=3, mpiexec=None,
                  min_ranks=None, backoff=1.0, backoff_max=60.0,
                  shrink_after=2, kill_grace=5.0, mpiexec_args=(),
                  hosts=None, ssh='ssh', min_hosts=None, host_discovery=None,
-                 discovery_interval=10.0, connect_timeout=3.0):
+                 discovery_interval=10.0, connect_timeout=3.0,
+                 max_resizes=10):
         self.hosts = list(hosts) if hosts else None
         if host_discovery and self.hosts is None:
             self.hosts = _hosts.discover(host_discovery)
@@ -86,9 +90,11 @@ class Launcher(object):
                 'hosts listed ({}), got {}; it needs --hostfile, --hosts or '
                 '--host-discovery.'.format(
                     len(self.hosts or ()), min_hosts))
-        if max_restarts < 0:
-            raise ValueError('launch: --max-restarts must be >= 0, got {}.'
-                             .format(max_restarts))
+        for flag, value in (('--max-restarts', max_restarts),
+                            ('--max-resizes', max_resizes)):
+            if value < 0:
+                raise ValueError('launch: {} must be >= 0, got {}.'.format(
+                    flag, value))
         if mpiexec is None:
             mpiexec = os.path.join(os.path.dirname(sys.executable), 'mpiexec')
         if not os.path.exists(mpiexec):
@@ -108,6 +114,8 @@ class Launcher(object):
         self.host_discovery = host_discovery
         self.discovery_interval = discovery_interval
         self.connect_timeout = connect_timeout
+        self.max_resizes = max_resizes
+        self.resizes = 0
         self.policy = HostPolicy(ranks, min_ranks, min_hosts or 1,
                                  shrink_after)
         self.results = []
@@ -166,6 +174,14 @@ class Launcher(object):
             state['next'] = time.monotonic() + self.discovery_interval
             if not any(e.get('resize') for e in output.events):
                 return   # the job cannot stop at a snapshot when asked
+            if self.resizes >= self.max_resizes:
+                if not state.get('told'):
+                    state['told'] = True
+                    logger.warning('host discovery: %d change(s) of hosts '
+                                   'made (--max-resizes %d); this job keeps '
+                                   'its hosts from now on', self.resizes,
+                                   self.max_resizes)
+                return
             try:
                 listed = _hosts.discover(self.host_discovery)
             except RuntimeError as e:
@@ -178,7 +194,8 @@ class Launcher(object):
                         if new else {})
             wanted, _ = self.policy.plan(listed, dict(
                 verdicts, **{h: None for h in running}))
-            if wanted is None or wanted == allocation:
+            # The same hosts and ranks in another order are no change.
+            if wanted is None or dict(wanted) == dict(allocation):
                 return
             state['asked'] = True
             logger.info('host discovery: %s now (running on %s); asking the '
@@ -214,6 +231,7 @@ class Launcher(object):
             attempt, size, self._host_args(attempt, allocation) + args, env,
             watch=self._watch(allocation, tag))
         result.hosts = allocation
+        _as_listed(result, allocation, self._ssh.names)
         # No rank or proxy of this attempt may survive it on any host.
         verdicts = self._ssh.end_job([h for h, _ in allocation], self.job_id)
         for host, why in sorted(verdicts.items()):
@@ -294,6 +312,7 @@ class Launcher(object):
                             stop.get('iteration'))
                 self.policy.after(result, allocation)
                 attempt += 1
+                self.resizes += 1
                 delay = self.backoff
                 continue
             status = (result.returncode if result.returncode > 0
@@ -330,6 +349,21 @@ class Launcher(object):
                      else min(delay * 2, self.backoff_max))
             attempt += 1
             restarts += 1
+
+
+def _as_listed(result, allocation, names):
+    """Writes the hosts of ``result``'s death records as the host list
+    spells them: a record carries the host's own name, the list may give
+    an address or another spelling (``names``: listed -> own name, as each
+    host answered before the attempt)."""
+    listed = {h for h, _ in allocation}
+    own = {}
+    for host in listed:
+        own.setdefault(names.get(host, host), host)
+    for death in result.output.deaths:
+        name = death.get('host')
+        if name not in listed and name in own:
+            death['host'] = own[name]
 
 
 def _log_recovery(result, last_end):

@@ -9,13 +9,15 @@ per namespace host, links, faults) is ``tests/netbed/test_hosts.py``.
 """
 import os
 import re
+import shutil
+import socket
 import subprocess
 import sys
 
 import numpy as np
 import pytest
 
-from chainermn_overlap.launch import _elastic, _hosts
+from chainermn_overlap.launch import _elastic, _hosts, _rank, launcher
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
@@ -40,6 +42,25 @@ def test_hostfile_formats():
 def test_bad_host_lists_name_the_line(text, match):
     with pytest.raises(ValueError, match=match):
         _hosts.parse_hosts(text, 'hostfile h.txt')
+
+
+@pytest.mark.parametrize('name', [
+    '-oProxyCommand=touch${IFS}/tmp/x', '-x', 'a;touch', 'a$(touch)',
+    'a`b`', 'a|b', 'a&b', "a'b", 'a/b', '-', 'a-', 'a..b', '999.1.2.3',
+    '[fd00::1]', 'fd00::1', 'x' * 254])
+def test_hostile_or_unusable_names_are_refused_naming_the_line(name):
+    text = 'good1:2\n{}:2\n'.format(name)
+    with pytest.raises(ValueError) as e:
+        _hosts.parse_hosts(text, 'hostfile h.txt')
+    assert 'hostfile h.txt line 2' in str(e.value), str(e.value)
+
+
+def test_names_and_addresses_that_are_hosts():
+    text = 'node-01.cluster.example:2\n10.1.2.3\nn_1\nNODE7 slots=3\n'
+    assert _hosts.parse_hosts(text, 'f') == [
+        ('node-01.cluster.example', 2), ('10.1.2.3', 1), ('n_1', 1),
+        ('NODE7', 3)]
+    assert 'IPv6' in _hosts.host_problem('[fd00::1]')
 
 
 def test_hostfile_errors(tmp_path):
@@ -148,6 +169,7 @@ FAKE_SSH = r'''#!/bin/sh
 while [ $# -gt 0 ]; do
     case "$1" in
         -o|-i|-p|-l|-F) shift 2 ;;
+        --) shift; break ;;
         -*) shift ;;
         *) break ;;
     esac
@@ -240,3 +262,106 @@ def test_a_host_that_stops_answering_is_left_out(tmp_path, fake_ssh):
     assert code == 0, out
     assert 'attempt 0: starting 2 rank(s) on a:2' in out, out
     _same(result, _reference(tmp_path, 2))
+
+
+# ---------------------------------------------------------------------------
+# Hostile names and what a login shell prints
+
+@pytest.mark.skipif(shutil.which('ssh') is None,
+                    reason='needs the ssh client (make test installs it '
+                    'with the netbed, which runs first)')
+def test_a_hostile_host_name_runs_nothing(tmp_path):
+    marker = tmp_path / 'ran'
+    hostile = '-oProxyCommand=touch${IFS}' + str(marker)
+    # The fault: ssh reads such a name as an option and runs it here.
+    subprocess.run(['ssh', '-o', 'BatchMode=yes', hostile, 'true'],
+                   stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                   stderr=subprocess.DEVNULL, timeout=30)
+    assert marker.exists(), 'the negative control did not run the command'
+    marker.unlink()
+    # A hostfile or a discovery command giving it: refused, line named.
+    hostfile = tmp_path / 'hosts'
+    hostfile.write_text('localhost:1\n{}:1\n'.format(hostile))
+    discovery = 'printf "localhost:1\\n%s:1\\n" "{}"'.format(
+        hostile.replace('$', '\\$'))
+    for source in (['--hostfile', str(hostfile)],
+                   ['--host-discovery', discovery]):
+        code, out = _launch(source + ['--', JOB, '--out',
+                                      str(tmp_path / 'snap')], timeout=60)
+        assert code == 2, out
+        assert 'line 2: ' in out and 'is not a host name' in out, out
+        assert 'Traceback' not in out and not marker.exists(), out
+    # Were one to get past the check, the ssh command reads it as a host.
+    ssh = _hosts.Ssh('ssh', 2, str(tmp_path))
+    proc = subprocess.run(ssh.command(hostile, ['true']),
+                          stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True, timeout=30)
+    assert proc.returncode != 0 and not marker.exists(), proc.stdout
+
+
+def test_reachability_ignores_what_a_login_shell_prints(tmp_path):
+    # A stand-in ssh whose "login shell" prints a banner before the
+    # command's output and a message after it.
+    fake = tmp_path / 'chatty_ssh'
+    fake.write_text(FAKE_SSH.replace('{refused}', str(tmp_path / 'none'))
+                    .replace('exec sh -c "$*"',
+                             'echo "Welcome to $host"; echo "ended soon"\n'
+                             'sh -c "$*"; echo "module: 3 loaded"'))
+    fake.chmod(0o755)
+    ssh = _hosts.Ssh(str(fake), 2, str(tmp_path))
+    verdicts = ssh.end_job(['a', 'b'], 'no-such-job')
+    assert verdicts == {'a': None, 'b': None}, verdicts
+    assert ssh.names == {'a': socket.gethostname(),
+                         'b': socket.gethostname()}
+    # A banner alone is no answer.
+    assert _hosts._end_answer('ended 0\nWelcome\n') is None
+    assert _hosts._end_answer(_rank.END_MARK + '[1]\n') is None
+
+
+def test_death_records_are_matched_to_the_host_as_listed():
+    # The hostfile gives addresses; each host answered with its own name.
+    allocation = [('10.0.0.1', 2), ('10.0.0.2', 2)]
+    names = {'10.0.0.1': 'nodeA', '10.0.0.2': 'nodeB'}
+    dead = [{'rank': r, 'host': 'nodeB', 'pid': 10 + r, 'time': 1.0 + r,
+             'forwarded': False, 'signal': 9} for r in (2, 3)]
+    result = _Result(4, dead)
+    # As spelt by the hosts themselves, the records match no listed host.
+    assert _elastic.failed_host(result, allocation) is None
+    launcher._as_listed(result, allocation, names)
+    assert [d['host'] for d in result.output.deaths] == ['10.0.0.2'] * 2
+    assert _elastic.failed_host(result, allocation) == '10.0.0.2'
+    policy = _elastic.HostPolicy(4, 1, 1, shrink_after=1)
+    assert 'without host 10.0.0.2' in policy.after(result, allocation)
+
+
+class _Proc(object):
+    def __init__(self):
+        self.signals = []
+
+    def send_signal(self, num):
+        self.signals.append(num)
+
+
+@pytest.mark.skipif(not os.path.exists(MPIEXEC), reason='needs mpiexec')
+def test_discovery_compares_host_sets_and_bounds_the_changes(tmp_path):
+    import signal
+    listing = tmp_path / 'listing'
+    job = launcher.Launcher(['true'], hosts=[('a', 2), ('b', 2)],
+                            host_discovery='cat {}'.format(listing),
+                            discovery_interval=0.0, max_resizes=1,
+                            min_hosts=1)
+    output = _Output(events=[{'event': 'training', 'resize': True}])
+    # The same hosts in another order: no change, no stop.
+    listing.write_text('b:2\na:2\n')
+    proc = _Proc()
+    job._watch([('a', 2), ('b', 2)], 'job:0')(proc, output)
+    assert proc.signals == []
+    # Another slot count is a change: the job is asked to stop.
+    listing.write_text('b:1\na:2\n')
+    job._watch([('a', 2), ('b', 2)], 'job:0')(proc, output)
+    assert proc.signals == [signal.SIGUSR1]
+    # Once --max-resizes changes were made, the job keeps its hosts.
+    job.resizes = 1
+    proc = _Proc()
+    job._watch([('a', 2), ('b', 2)], 'job:1')(proc, output)
+    assert proc.signals == []
