@@ -9,7 +9,11 @@ and hooks (SGD, MomentumSGD, Adam and the other built-in rules;
 ``WeightDecay``, ``Lasso``, ``GradientHardClipping``) that gives the same
 bits as the update of the whole array.  Anything else needs parameters
 that are not cut (``shard_unit='parameter'``), or must be declared
-element-wise with :func:`register_elementwise`.
+element-wise with :func:`register_elementwise`.  Classes are known by their
+exact type (a subclass may change the arithmetic), except Chainer's
+deprecated aliases in ``chainer.optimizer`` (``chainer.optimizer.WeightDecay``
+and the like), which stand for the hooks they subclass
+(:data:`DEPRECATED_ALIASES`).
 
 Updates run on the communication thread with a :class:`Snapshot`: a copy
 of each rule whose hyperparameters are frozen when the snapshot is made (at
@@ -31,9 +35,9 @@ from chainer import optimizer as optimizer_module
 from chainer import optimizer_hooks
 from chainer import optimizers
 
-__all__ = ['ELEMENTWISE_HOOKS', 'ELEMENTWISE_RULES', 'GLOBAL_HOOKS',
-           'Snapshot', 'check_optimizer', 'init_states', 'make_proxy',
-           'register_elementwise']
+__all__ = ['DEPRECATED_ALIASES', 'ELEMENTWISE_HOOKS', 'ELEMENTWISE_RULES',
+           'GLOBAL_HOOKS', 'Snapshot', 'check_optimizer', 'init_states',
+           'make_proxy', 'register_elementwise']
 
 #: Update rules whose update of a slice equals the slice of their update.
 ELEMENTWISE_RULES = {
@@ -58,6 +62,28 @@ GLOBAL_HOOKS = (optimizer_hooks.GradientClipping,)
 _REGISTERED = set()
 
 
+def _deprecated_aliases():
+    # An alias is chainer.optimizer's class of the same name as a hook of
+    # chainer.optimizer_hooks, with that hook as its only base, defining
+    # nothing but __init__ (which warns) besides what Python gives every
+    # class: it runs the hook's own arithmetic.
+    plain = set(vars(type('_Plain', (object,), {}))) | {'__init__'}
+    aliases = {}
+    for name, real in vars(optimizer_hooks).items():
+        alias = getattr(optimizer_module, name, None)
+        if (isinstance(real, type) and isinstance(alias, type)
+                and alias.__module__ == optimizer_module.__name__
+                and alias.__bases__ == (real,)
+                and set(vars(alias)) <= plain):
+            aliases[alias] = real
+    return aliases
+
+
+#: Chainer's deprecated hook aliases (``chainer.optimizer.WeightDecay``
+#: ...) -> the hooks of ``chainer.optimizer_hooks`` they stand for.
+DEPRECATED_ALIASES = _deprecated_aliases()
+
+
 def register_elementwise(cls):
     """Declares an update rule or hook class element-wise.
 
@@ -72,9 +98,16 @@ def register_elementwise(cls):
     return cls
 
 
+def _known_class(obj):
+    # The exact class (a subclass may override the arithmetic), or the hook
+    # that a deprecated alias stands for.
+    cls = type(obj)
+    return DEPRECATED_ALIASES.get(cls, cls)
+
+
 def _elementwise(obj, known):
-    # The exact class: a subclass may override the arithmetic.
-    return type(obj) in known or type(obj) in _REGISTERED
+    cls = _known_class(obj)
+    return cls in known or cls in _REGISTERED
 
 
 def _hooks(hookable):
@@ -112,6 +145,13 @@ def check_optimizer(actual, params, unit, rank):
     for hook in pre + post:
         name = type(hook).__name__
         if isinstance(hook, GLOBAL_HOOKS):
+            if _known_class(hook) not in GLOBAL_HOOKS:
+                base = ', '.join(c.__name__ for c in GLOBAL_HOOKS)
+                raise ValueError(
+                    'optimizer hook {} subclasses {}: shard= clips with the '
+                    'norm it takes from the shards and would ignore what '
+                    'the subclass changes (rank {}); use {} itself or '
+                    'shard=None.'.format(name, base, rank, base))
             if hook in post:
                 raise ValueError(
                     '{} as a post-update hook is not supported with shard= '
@@ -195,9 +235,16 @@ class Snapshot(object):
 
     def commit(self):
         """Counts the step on the real rules (``t``), as
-        ``UpdateRule.update`` does: what users and serializers read."""
-        for _, rule in self._real:
+        ``UpdateRule.update`` does: what users and serializers read.
+
+        MSVAG's rule also counts steps in its own ``beta_power``, which
+        its ``update_core`` advances on the copy that ran: advanced here
+        too, or every step would run with the first step's.
+        """
+        for p, rule in self._real:
             rule.t += 1
+            if isinstance(rule, optimizers.msvag.MSVAGRule):
+                rule.beta_power *= self.rules[id(p)].hyperparam.beta
 
     def changes(self, actual, params):
         """What differs now from when the snapshot was made, or None.
