@@ -46,6 +46,10 @@ inspector) must agree between ranks.
     Set by the launcher for every rank (mpiexec's ``-genv``): the job and
     attempt (``JOB:ATTEMPT``), by which it finds and ends what is left of
     an attempt on each host.
+``CHAINERMN_OVERLAP_LOCAL_RANK`` (:data:`LOCAL_RANK_ENV`)
+    Set by the launcher's per-rank parent for its rank: the rank's number
+    among the ranks on its host (0, 1, ... in rank order; from the process
+    manager's ``MPI_LOCALRANKID``), e.g. to pick a GPU.
 ``CHAINERMN_OVERLAP_NATIVE`` (:data:`NATIVE_ENV`)
     ``0``: do not use the fused C kernels (float16 conversion, PowerSGD)
     even where they were built; numpy does the same arithmetic.  Default
@@ -74,7 +78,7 @@ from typing import Any, Dict, Optional, Union
 __all__ = [
     'ABORT_ON_EXCEPTION_ENV', 'DEBUG_ENV', 'DEFAULT_TIMEOUT',
     'EMULATION_DEFAULTS', 'EMULATION_ENV', 'ENVIRONMENT_VARIABLES',
-    'LAUNCH_DEATHS_ENV', 'LAUNCH_ID_ENV', 'NATIVE_ENV',
+    'LAUNCH_DEATHS_ENV', 'LAUNCH_ID_ENV', 'LOCAL_RANK_ENV', 'NATIVE_ENV',
     'PROGRESS_FILE_ENV', 'RESTART_ENV', 'STALL_WARNING_ENV',
     'TEST_LOGDIR_ENV', 'TEST_OPTIMIZER_ENV', 'TEST_SHARD_ENV',
     'TIMEOUT_ENV', 'parse_delay', 'parse_duration',
@@ -95,6 +99,7 @@ RESTART_ENV = 'CHAINERMN_OVERLAP_RESTART'
 PROGRESS_FILE_ENV = 'CHAINERMN_OVERLAP_PROGRESS_FILE'
 LAUNCH_DEATHS_ENV = 'CHAINERMN_OVERLAP_LAUNCH_DEATHS'
 LAUNCH_ID_ENV = 'CHAINERMN_OVERLAP_LAUNCH_ID'
+LOCAL_RANK_ENV = 'CHAINERMN_OVERLAP_LOCAL_RANK'
 NATIVE_ENV = 'CHAINERMN_OVERLAP_NATIVE'
 TEST_OPTIMIZER_ENV = 'CHAINERMN_OVERLAP_TEST_OPTIMIZER'
 TEST_LOGDIR_ENV = 'CHAINERMN_OVERLAP_LOGDIR'
@@ -102,7 +107,8 @@ TEST_SHARD_ENV = 'CHAINERMN_OVERLAP_TEST_SHARD'
 ENVIRONMENT_VARIABLES = (
     TIMEOUT_ENV, STALL_WARNING_ENV, DEBUG_ENV, EMULATION_ENV,
     ABORT_ON_EXCEPTION_ENV, RESTART_ENV, PROGRESS_FILE_ENV,
-    LAUNCH_DEATHS_ENV, LAUNCH_ID_ENV, NATIVE_ENV, TEST_OPTIMIZER_ENV,
+    LAUNCH_DEATHS_ENV, LAUNCH_ID_ENV, LOCAL_RANK_ENV, NATIVE_ENV,
+    TEST_OPTIMIZER_ENV,
     TEST_LOGDIR_ENV, TEST_SHARD_ENV)
 
 # Like PyTorch's NCCL watchdog: generous enough for a slow first iteration

@@ -45,6 +45,7 @@ import time
 # The launcher sets these for every rank; kept in step with launcher.py.
 DEATHS_ENV = 'CHAINERMN_OVERLAP_LAUNCH_DEATHS'
 JOB_ENV = 'CHAINERMN_OVERLAP_LAUNCH_ID'
+LOCAL_RANK_ENV = 'CHAINERMN_OVERLAP_LOCAL_RANK'
 # The tag of a death record on stderr (the launcher reads and drops it).
 DEATH_TAG = 'chainermn_overlap.launch: rank ended '
 END_FLAG = '--end-job'
@@ -114,6 +115,9 @@ def rank_main(command):
         int: the child's exit status (when it was not killed by a signal).
     """
     relay = _PmiRelay()
+    local = os.environ.get('MPI_LOCALRANKID', '')
+    if local.isdigit():
+        os.environ[LOCAL_RANK_ENV] = local
     pid = os.fork()
     if pid == 0:
         try:

@@ -7,6 +7,7 @@ import shutil
 import sys
 
 from chainermn_overlap.launch._hosts import parse_hosts, read_hostfile
+from chainermn_overlap.launch._schedulers import SOURCES, hosts_from
 from chainermn_overlap.launch.launcher import Launcher, logger
 
 __all__ = ['main', 'job_command']
@@ -70,6 +71,12 @@ def _parser():
                        help='file with one "host:slots" line per host')
     hosts.add_argument('--hosts', default=None,
                        help='hosts inline: a:2,b:2')
+    hosts.add_argument('--hosts-from', default=None,
+                       choices=SOURCES + ('auto',),
+                       help='hosts of the batch job this runs in: Slurm '
+                       '(SLURM_JOB_NODELIST, SLURM_TASKS_PER_NODE), PBS '
+                       '(PBS_NODEFILE), LSF (LSB_MCPU_HOSTS), or auto: the '
+                       'first of these that is set')
     hosts.add_argument('--ssh', default='ssh',
                        help='command that reaches a host, for the '
                        'launcher\'s checks and as mpiexec -launcher-exec '
@@ -154,8 +161,14 @@ def main(argv=None):
 
 
 def _host_list(args):
-    if args.hostfile and args.hosts:
-        raise ValueError('launch: give --hostfile or --hosts, not both.')
+    given = [flag for flag, value in (
+        ('--hostfile', args.hostfile), ('--hosts', args.hosts),
+        ('--hosts-from', args.hosts_from)) if value]
+    if len(given) > 1:
+        raise ValueError('launch: give one of --hostfile, --hosts and '
+                         '--hosts-from, not {}.'.format(' and '.join(given)))
+    if args.hosts_from:
+        return hosts_from(args.hosts_from)
     if args.hostfile:
         return read_hostfile(args.hostfile)
     if args.hosts:

@@ -154,3 +154,20 @@ def test_the_reason_takes_the_message_from_the_abort_line():
                 'of the job.')
     reason = AttemptResult(0, 2, 1, 2.0, output, {}, False).reason()
     assert reason.startswith('rank 1 raised ValueError (bad (x))'), reason
+
+
+LOCAL = '''
+import os, sys
+from mpi4py import MPI
+sys.stdout.write("job: rank {} local {}\\n".format(
+    MPI.COMM_WORLD.rank, os.environ.get("CHAINERMN_OVERLAP_LOCAL_RANK")))
+'''
+
+
+def test_each_rank_gets_its_local_rank(tmp_path):
+    script = tmp_path / 'local.py'
+    script.write_text(LOCAL)
+    code, out = launch(['-n', '3', '--', str(script)])
+    assert code == 0, out
+    for r in range(3):
+        assert 'job: rank {} local {}\n'.format(r, r) in out, out

@@ -79,6 +79,7 @@ def test_the_rank_parent_spells_the_variables_of_config():
     from chainermn_overlap.launch import _rank
     assert _rank.JOB_ENV == config.LAUNCH_ID_ENV
     assert _rank.DEATHS_ENV == config.LAUNCH_DEATHS_ENV
+    assert _rank.LOCAL_RANK_ENV == config.LOCAL_RANK_ENV
 
 
 def test_allocate_fills_hosts_in_order():
