@@ -122,7 +122,7 @@ def failed_host(result, allocation):
     death = result.facts.get('first_death')
     host = death.get('host') if death and not death.get('forwarded') \
         else None
-    for fact, at in (('bad_pid', 1), ('ssh_closed', 0)):
+    for fact, at in (('session_lost', 0), ('bad_pid', 1), ('ssh_closed', 0)):
         if host is None and fact in result.facts:
             host = result.facts[fact][at]
     ranks = dict(allocation)

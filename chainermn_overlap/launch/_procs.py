@@ -29,14 +29,8 @@ def signal_name(num):
         return 'signal {}'.format(num)
 
 
-def descendants(root):
-    """Live (non-zombie) descendants of process ``root``, from /proc.
-
-    MPICH's process manager puts every rank into a session of its own, so
-    the attempt's processes are found by parenthood, not by process group;
-    orphans are re-parented to the launcher (a child subreaper), so they
-    stay in this tree.
-    """
+def _children():
+    """ppid -> [pid] of the live (non-zombie) processes, from /proc."""
     children = {}
     for name in os.listdir('/proc'):
         if not name.isdigit():
@@ -50,12 +44,39 @@ def descendants(root):
         rest = stat[stat.rfind(')') + 2:].split()
         if len(rest) >= 2 and rest[0] != 'Z':
             children.setdefault(int(rest[1]), []).append(int(name))
+    return children
+
+
+def children(pid):
+    """Live children of process ``pid``."""
+    return _children().get(pid, [])
+
+
+def descendants(root):
+    """Live (non-zombie) descendants of process ``root``, from /proc.
+
+    MPICH's process manager puts every rank into a session of its own, so
+    the attempt's processes are found by parenthood, not by process group;
+    orphans are re-parented to the launcher (a child subreaper), so they
+    stay in this tree.
+    """
+    tree = _children()
     out, todo = [], [root]
     while todo:
-        for pid in children.get(todo.pop(), ()):
+        for pid in tree.get(todo.pop(), ()):
             out.append(pid)
             todo.append(pid)
     return out
+
+
+def command_line(pid):
+    """The words process ``pid`` was started with ([] when gone)."""
+    try:
+        with open('/proc/{}/cmdline'.format(pid), 'rb') as f:
+            raw = f.read()
+    except OSError:
+        return []
+    return [w.decode('utf-8', 'replace') for w in raw.split(b'\0') if w]
 
 
 def kill_all(pids, sig):

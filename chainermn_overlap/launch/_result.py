@@ -152,6 +152,13 @@ class AttemptResult(object):
             parts.append('rank {} was stuck (never posted)'.format(
                 f['not_posted'][0]))
         death = f.get('first_death')
+        if 'session_lost' in f and (death is None or death.get('forwarded')):
+            # The launcher ended the others: their deaths are its doing.
+            death = None
+            parts.append('mpiexec\'s ssh session to host {} ended while the '
+                         'job ran on (the host or its link was lost); the '
+                         'launcher ended the attempt'.format(
+                             f['session_lost'][0]))
         if death is not None and 'abort' not in f and 'mpi_abort' not in f:
             who = 'rank {}{} (pid {})'.format(
                 death['rank'], ' on {}'.format(death['host'])
@@ -162,7 +169,8 @@ class AttemptResult(object):
             else:
                 parts.append('{} exited with code {}'.format(
                     who, death['exit']))
-        elif 'bad_pid' in f and 'abort' not in f and 'mpi_abort' not in f:
+        elif ('bad_pid' in f and 'abort' not in f and 'mpi_abort' not in f
+              and 'session_lost' not in f):
             pid = int(f['bad_pid'][0])
             rank = self.pid_ranks.get(pid)
             where = ' on {}'.format(f['bad_pid'][1]) if self.hosts else ''

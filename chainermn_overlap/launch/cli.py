@@ -96,6 +96,11 @@ def _parser():
                        help='changes of hosts that --host-discovery may make '
                        'by stopping the job at a snapshot (default 10); then '
                        'the job keeps its hosts')
+    hosts.add_argument('--session-grace', type=float, default=5.0,
+                       help='seconds mpiexec may run on after its ssh session '
+                       'to a host ended (a lost host or link) before the '
+                       'attempt is ended and restarted (default 5; 0: off, '
+                       'only the collective timeout ends it)')
     hosts.add_argument('--connect-timeout', type=float, default=3.0,
                        help='seconds to reach a host over ssh (default 3)')
     p.add_argument('--max-restarts', type=int, default=3,
@@ -152,7 +157,7 @@ def main(argv=None):
             ssh=args.ssh, min_hosts=args.min_hosts,
             host_discovery=args.host_discovery,
             discovery_interval=args.discovery_interval,
-            max_resizes=args.max_resizes,
+            max_resizes=args.max_resizes, session_grace=args.session_grace,
             connect_timeout=args.connect_timeout)
     except (ValueError, RuntimeError) as e:
         logger.error('%s', e)

@@ -22,6 +22,7 @@ from chainermn_overlap.launch._attempt import AttemptRunner
 from chainermn_overlap.launch._elastic import HostPolicy
 from chainermn_overlap.launch._procs import become_subreaper
 from chainermn_overlap.launch._procs import signal_name as _signal_name
+from chainermn_overlap.launch._sessions import Sessions
 
 __all__ = ['Launcher']
 
@@ -60,6 +61,9 @@ class Launcher(object):
         max_resizes (int): stops at a snapshot to change hosts that
             discovery may ask for; after that the job keeps its hosts
             (a source whose list flaps must not restart it forever).
+        session_grace (float): seconds mpiexec may run on after its ssh
+            session to a host ended before the attempt is ended (0: never,
+            the collective timeout alone ends such an attempt).
     """
 
     def __init__(self, command, ranks=None, max_restarts=3, mpiexec=None,
@@ -67,7 +71,7 @@ class Launcher(object):
                  shrink_after=2, kill_grace=5.0, mpiexec_args=(),
                  hosts=None, ssh='ssh', min_hosts=None, host_discovery=None,
                  discovery_interval=10.0, connect_timeout=3.0,
-                 max_resizes=10):
+                 max_resizes=10, session_grace=5.0):
         self.hosts = list(hosts) if hosts else None
         if host_discovery and self.hosts is None:
             self.hosts = _hosts.discover(host_discovery)
@@ -115,6 +119,7 @@ class Launcher(object):
         self.discovery_interval = discovery_interval
         self.connect_timeout = connect_timeout
         self.max_resizes = max_resizes
+        self.session_grace = session_grace
         self.resizes = 0
         self.policy = HostPolicy(ranks, min_ranks, min_hosts or 1,
                                  shrink_after)
@@ -164,6 +169,29 @@ class Launcher(object):
                 '-f', path]
 
     def _watch(self, allocation, tag):
+        """The checks during an attempt on hosts: mpiexec's ssh session to
+        each host (:mod:`~chainermn_overlap.launch._sessions`), and the
+        discovery command when there is one."""
+        sessions = (Sessions([h for h, _ in allocation], self.session_grace)
+                    if self.session_grace > 0 else None)
+        discovery = (self._discovery_watch(allocation, tag)
+                     if self.host_discovery else None)
+
+        def watch(proc, output):
+            host = sessions.lost(proc.pid) if sessions else None
+            if host is not None:
+                logger.warning(
+                    'mpiexec\'s ssh session to host %s ended %.0f s ago while '
+                    'the job runs on: ending the attempt', host,
+                    self.session_grace)
+                output.facts.setdefault('session_lost', (host,))
+                self._runner.end(proc)
+                return
+            if discovery is not None:
+                discovery(proc, output)
+        return watch
+
+    def _discovery_watch(self, allocation, tag):
         """A check of the discovery command during an attempt."""
         state = {'next': time.monotonic() + self.discovery_interval,
                  'asked': False}
@@ -207,7 +235,7 @@ class Launcher(object):
                 proc.send_signal(signal.SIGUSR1)
             except OSError:
                 pass
-        return watch if self.host_discovery else None
+        return watch
 
     # -- one attempt ---------------------------------------------------------
 

@@ -179,16 +179,50 @@ def _cut_and_wait(bed, job, seconds):
         return fault, False
 
 
+# The ssh keep-alives (5 s x 3) end a session over a cut link, the
+# launcher ends the attempt --session-grace (5 s) later.
+SESSION_BOUND = 15 + 5 + 15
+
+
 def test_a_cut_link_hangs_without_the_watchdog(tmp_path):
-    # Negative control: with the watchdog off, nothing ends the attempt
-    # while the link is down (MPICH, UCX and Hydra do not notice).
+    # Negative control: with the watchdog and the launcher's session check
+    # off, nothing ends the attempt while the link is down (MPICH, UCX and
+    # Hydra do not notice), for longer than the session check takes.
     with hosts.HostBed(2, slots=2) as bed:
-        job, _ = start(bed, tmp_path, ['--max-restarts', '0'],
+        job, _ = start(bed, tmp_path, ['--max-restarts', '0',
+                                       '--session-grace', '0'],
                        ['--timeout', '0'])
-        fault, ended_ = _cut_and_wait(bed, job, seconds=12)
+        fault, ended_ = _cut_and_wait(bed, job, seconds=SESSION_BOUND)
         job.stop()
     assert fault['state'] == 'down' and not fault['reachable'], fault
     assert not ended_, job.text[-3000:]
+
+
+def test_a_cut_link_ends_the_attempt_by_its_ssh_session(tmp_path):
+    # The watchdog off: the end of mpiexec's ssh session to h1 alone ends
+    # the attempt, and the job resumes on h0 from its last snapshot.
+    with hosts.HostBed(2, slots=2) as bed:
+        job, result = start(bed, tmp_path, job_args=['--timeout', '0'])
+        fault, ended_ = _cut_and_wait(bed, job, seconds=SESSION_BOUND)
+        job.wait_for(r'attempt 1: starting')
+        faults.heal_link(bed, 1)
+        code = job.finish(300)
+    text = job.text
+    assert fault['state'] == 'down' and not fault['reachable'], fault
+    assert ended_, text[-3000:]
+    reason = ended(text, 0)
+    assert 'ssh session to host h1 ended while the job ran on' in reason, \
+        reason
+    assert 'attempt 1: starting 2 rank(s) on h0:2' in text, text[-3000:]
+    assert code == 0, text[-3000:]
+    end = [t for t, ln in job.lines if 'attempt 0 (4 ranks' in ln][0]
+    assert end - fault['time'] < SESSION_BOUND, end - fault['time']
+    print('attempt ended {:.1f} s after the cut, by its ssh session'.format(
+        end - fault['time']))
+    tr = jobs.trainings(text)
+    resumed = [f for _, a, _, f, _ in tr if a == 1][0]
+    assert_bit_identical(result, reference(tmp_path, [(4, resumed),
+                                                      (2, None)]))
 
 
 def test_a_cut_link_ends_the_attempt_and_the_job_shrinks(tmp_path):

@@ -355,14 +355,47 @@ def test_discovery_compares_host_sets_and_bounds_the_changes(tmp_path):
     # The same hosts in another order: no change, no stop.
     listing.write_text('b:2\na:2\n')
     proc = _Proc()
-    job._watch([('a', 2), ('b', 2)], 'job:0')(proc, output)
+    job._discovery_watch([('a', 2), ('b', 2)], 'job:0')(proc, output)
     assert proc.signals == []
     # Another slot count is a change: the job is asked to stop.
     listing.write_text('b:1\na:2\n')
-    job._watch([('a', 2), ('b', 2)], 'job:0')(proc, output)
+    job._discovery_watch([('a', 2), ('b', 2)], 'job:0')(proc, output)
     assert proc.signals == [signal.SIGUSR1]
     # Once --max-resizes changes were made, the job keeps its hosts.
     job.resizes = 1
     proc = _Proc()
-    job._watch([('a', 2), ('b', 2)], 'job:1')(proc, output)
+    job._discovery_watch([('a', 2), ('b', 2)], 'job:1')(proc, output)
     assert proc.signals == []
+
+
+def test_a_host_whose_session_ended_is_reported_after_the_grace():
+    from chainermn_overlap.launch._sessions import Sessions
+    # Stand-ins for mpiexec's ssh sessions: children of this process
+    # whose commands name their hosts.
+    sleeper = 'import time; time.sleep(60)'
+    procs = {h: subprocess.Popen([sys.executable, '-c', sleeper, h])
+             for h in ('hA', 'hB')}
+    try:
+        sessions = Sessions(['hA', 'hB', 'hC'], grace=5.0)
+        assert sessions.lost(os.getpid(), now=0.0) is None
+        procs['hB'].kill()
+        procs['hB'].wait()
+        assert sessions.lost(os.getpid(), now=1.0) is None   # in the grace
+        assert sessions.lost(os.getpid(), now=5.9) is None
+        assert sessions.lost(os.getpid(), now=6.0) == 'hB'
+    finally:
+        for p in procs.values():
+            p.kill()
+            p.wait()
+
+
+def test_the_reason_names_the_lost_session():
+    from chainermn_overlap.launch._result import AttemptResult
+    out = _Output(deaths=[{'rank': 0, 'host': 'a', 'pid': 5, 'time': 1.0,
+                           'signal': 15, 'forwarded': True}])
+    out.facts['session_lost'] = ('b',)
+    result = AttemptResult(0, 4, -15, 30.0, out, {}, False, HOSTS)
+    reason = result.reason()
+    assert "ssh session to host b ended while the job ran on" in reason
+    assert 'SIGTERM' not in reason.split(';')[0], reason
+    assert _elastic.failed_host(result, HOSTS) == 'b'
