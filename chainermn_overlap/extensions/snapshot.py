@@ -67,7 +67,9 @@ is written as usual, the ranks agree collectively that one of them was
 asked, the optimizers are synchronized and closed, and every rank ends
 with ``SystemExit(75)`` (the code after ``trainer.run()`` does not run).
 The launcher sends it when ``--host-discovery`` reports other usable hosts,
-and restarts the job on them from that snapshot.
+and restarts the job on them from that snapshot; only to a job whose every
+rank took the signal (the extension made on the main thread, no handler of
+the program's own), as its ``resumed`` event says (``resize``).
 """
 import errno
 import json
@@ -155,12 +157,13 @@ class AutoSnapshot(extension_module.Extension):
         self.resumed_from = None    # iteration loaded in initialize, if any
         self.restart = int(os.environ.get(RESTART_ENV, '0') or 0)
         self._progress_path = os.environ.get(PROGRESS_ENV) or None
-        # Under the launcher (the same on every rank): a stop at the next
-        # snapshot may be asked for with SIGUSR1.
-        self.stoppable = RESTART_ENV in os.environ
+        # Under the launcher, a stop at the next snapshot may be asked for
+        # with SIGUSR1: where every rank took the signal (initialize agrees;
+        # a rank without the handler would die of it).
+        self.stoppable = False
         self.stop_requested = False
-        if self.stoppable:
-            self._take_stop_signal()
+        self._took_signal = (RESTART_ENV in os.environ
+                             and self._take_stop_signal())
 
     # -- resume -----------------------------------------------------------
 
@@ -169,6 +172,9 @@ class AutoSnapshot(extension_module.Extension):
         if self.rank == 0:
             os.makedirs(self.directory, exist_ok=True)
         self._barrier('the start of the resume')
+        if RESTART_ENV in os.environ:
+            self.stoppable = all(self.coll.allgather_json(
+                bool(self._took_signal), "every rank's handler of SIGUSR1"))
         listed = self.store.listing() if self.rank == 0 else None
         candidates = self.coll.bcast_json(
             listed, "rank 0's list of snapshots")
@@ -331,14 +337,17 @@ class AutoSnapshot(extension_module.Extension):
     # -- stop when asked ------------------------------------------------------
 
     def _take_stop_signal(self):
+        """Installs the SIGUSR1 handler; False where it cannot (not the
+        main thread) or must not (the program's own handler stays)."""
         if threading.current_thread() is not threading.main_thread():
-            return
+            return False
         if signal.getsignal(signal.SIGUSR1) not in (signal.SIG_DFL, None):
-            return   # the program's own handler stays
+            return False
 
         def handler(signum, frame):
             self.stop_requested = True
         signal.signal(signal.SIGUSR1, handler)
+        return True
 
     def _stop_if_asked(self, trainer, iteration):
         # Collective: the signal reaches the ranks at different moments.

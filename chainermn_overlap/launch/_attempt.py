@@ -19,7 +19,7 @@ import time
 
 from chainermn_overlap.extensions.snapshot import PROGRESS_TAG
 from chainermn_overlap.launch import _rank
-from chainermn_overlap.launch._procs import descendants, kill_all, reap
+from chainermn_overlap.launch._procs import descendants, kill_all
 from chainermn_overlap.launch._result import PATTERNS, AttemptResult
 
 logger = logging.getLogger('chainermn_overlap.launch')
@@ -46,6 +46,8 @@ class Output(object):
                         record = json.loads(line[at + len(tag):])
                     except ValueError:
                         return True   # cut short (a kill): show it
+                    if not isinstance(record, dict):
+                        return True   # not one of ours: the user's line
                     # The launcher's clock: ranks may run on other hosts.
                     record['received'] = time.time()
                     into.append(record)
@@ -63,14 +65,28 @@ class Output(object):
 
 
 def _pump(src, dst, output):
+    """Copies ``src`` to ``dst`` line by line, reading the launcher's
+    records out of it.  It must not stop before ``src`` ends, whatever the
+    job prints (the ranks would block on a full pipe): a line it cannot
+    read or write is passed on as it is, or dropped."""
+    out = getattr(dst, 'buffer', None)
     for raw in iter(src.readline, b''):
         line = raw.decode('utf-8', 'replace').rstrip('\n')
-        if output.feed(line):
-            try:
-                dst.buffer.write(raw)
-                dst.flush()
-            except (OSError, ValueError):
-                pass
+        try:
+            show = output.feed(line)
+        except Exception:  # a record we misread: show the line
+            logger.debug('could not read the line %r', line, exc_info=True)
+            show = True
+        if not show:
+            continue
+        try:
+            if out is not None:
+                out.write(raw)
+            else:
+                dst.write(raw.decode('utf-8', 'replace'))
+            dst.flush()
+        except (OSError, ValueError, TypeError):
+            pass
     src.close()
 
 
@@ -90,8 +106,10 @@ class AttemptRunner(object):
         self.kill_grace = kill_grace
         self.stop = stop
         self.proc = None
+        self.tag = None
+        self._seen = set()
 
-    def run(self, attempt, size, mpiexec_args, env, watch=None):
+    def run(self, attempt, size, mpiexec_args, env, watch=None, tag=None):
         """Runs one attempt to its end; returns its AttemptResult.
 
         Args:
@@ -99,6 +117,9 @@ class AttemptRunner(object):
             env (dict): the environment of mpiexec (and so of every rank).
             watch: called about every 0.25 s while the attempt runs, with
                 the running Popen and the Output so far.
+            tag (str): the ``JOB:ATTEMPT`` its ranks carry in their
+                environment: with the processes seen under mpiexec, what
+                the attempt's orphans are known by when it is ended.
         """
         # _rank.py, run by path (it imports only the standard library), is
         # each rank's parent.
@@ -111,6 +132,8 @@ class AttemptRunner(object):
                                 stderr=subprocess.PIPE,
                                 start_new_session=True)
         self.proc = proc
+        self.tag = tag
+        self._seen = set()
         pid_ranks = {}
         pumps = [threading.Thread(target=_pump, args=(src, dst, output),
                                   daemon=True)
@@ -120,7 +143,7 @@ class AttemptRunner(object):
             t.start()
         interrupted = False
         while proc.poll() is None:
-            _scan_ranks(pid_ranks)
+            self._seen.update(_scan_ranks(proc.pid, pid_ranks))
             if watch is not None:
                 watch(proc, output)
             if self.stop.wait(0.25):
@@ -134,23 +157,51 @@ class AttemptRunner(object):
                              time.monotonic() - t0, output, pid_ranks,
                              interrupted)
 
+    def members(self, proc):
+        """The attempt's live local processes: mpiexec's tree, and those
+        re-parented to this process (a child subreaper) that were seen in
+        it or carry the attempt's tag.  Nothing else of an embedding
+        program's is signalled."""
+        out = set(descendants(proc.pid))
+        if proc.poll() is None:
+            out.add(proc.pid)
+        tag = None if self.tag is None else '{}={}'.format(
+            _rank.JOB_ENV, self.tag).encode()
+        for pid in set(descendants(os.getpid())) - out:
+            if pid in self._seen or (tag is not None and tag in (
+                    _rank.environ(pid) or ())):
+                out.add(pid)
+                out.update(descendants(pid))
+        return out
+
+    def _reap(self, proc):
+        """Reaps the attempt's orphans that ended (only those: never
+        ``waitpid(-1)``, which would take an embedding program's)."""
+        for pid in list(self._seen):
+            try:
+                done, _ = os.waitpid(pid, os.WNOHANG)
+            except ChildProcessError:   # not ours to reap, or reaped
+                done = pid
+            if done == pid and not os.path.exists('/proc/{}'.format(pid)):
+                self._seen.discard(pid)
+
     def end(self, proc):
         """SIGTERM, then SIGKILL, to the attempt's local processes; waits
         until every one of them is gone."""
-        me = os.getpid()
         if proc.poll() is None:
-            kill_all(descendants(me), signal.SIGTERM)
+            self._seen.update(self.members(proc))
+            kill_all(self.members(proc), signal.SIGTERM)
             try:
                 proc.wait(timeout=self.kill_grace)
             except subprocess.TimeoutExpired:
-                kill_all(descendants(me), signal.SIGKILL)
+                kill_all(self.members(proc), signal.SIGKILL)
                 proc.wait()
-        # mpiexec's status is known: from here on, any child may be reaped
-        # (orphans of the attempt are re-parented to this process).
+        # mpiexec's status is known: its orphans are re-parented to this
+        # process, which reaps those of the attempt.
         deadline = time.monotonic() + 30.0
         while True:
-            reap()
-            members = descendants(me)
+            self._reap(proc)
+            members = self.members(proc)
             if not members:
                 break
             kill_all(members, signal.SIGKILL)
@@ -161,12 +212,15 @@ class AttemptRunner(object):
             time.sleep(0.05)
 
 
-def _scan_ranks(pid_ranks):
-    """Records pid -> MPI rank of the attempt's local processes (/proc)."""
-    for pid in descendants(os.getpid()):
+def _scan_ranks(root, pid_ranks):
+    """Records pid -> MPI rank of the attempt's local processes (/proc,
+    under mpiexec ``root``); returns the processes seen."""
+    seen = descendants(root)
+    for pid in seen:
         if pid in pid_ranks:
             continue
         for item in _rank.environ(pid) or ():
             if item.startswith(b'PMI_RANK='):
                 pid_ranks[pid] = int(item[9:])
                 break
+    return seen

@@ -85,13 +85,3 @@ def kill_all(pids, sig):
             os.kill(pid, sig)
         except (ProcessLookupError, PermissionError):
             pass
-
-
-def reap():
-    while True:
-        try:
-            pid, _ = os.waitpid(-1, os.WNOHANG)
-        except ChildProcessError:
-            return
-        if pid == 0:
-            return

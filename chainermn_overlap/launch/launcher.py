@@ -253,11 +253,11 @@ class Launcher(object):
         args = ['-genv', _rank.JOB_ENV, tag] + self.mpiexec_args
         if allocation is None:
             return self._runner.run(attempt, self.policy.local_size(),
-                                    args, env)
+                                    args, env, tag=tag)
         size = sum(n for _, n in allocation)
         result = self._runner.run(
             attempt, size, self._host_args(attempt, allocation) + args, env,
-            watch=self._watch(allocation, tag))
+            watch=self._watch(allocation, tag), tag=tag)
         result.hosts = allocation
         _as_listed(result, allocation, self._ssh.names)
         # No rank or proxy of this attempt may survive it on any host.

@@ -7,6 +7,7 @@ named as the first word after ``--`` (as ``mpiexec`` users write it), and a
 job whose every rank fails the same way before MPI is initialised (no
 restart can help: the launcher says so and exits at once).
 """
+import json
 import os
 import re
 import signal
@@ -14,6 +15,8 @@ import subprocess
 import sys
 
 import pytest
+
+from chainermn_overlap.extensions.snapshot import PROGRESS_TAG
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
@@ -171,3 +174,65 @@ def test_each_rank_gets_its_local_rank(tmp_path):
     assert code == 0, out
     for r in range(3):
         assert 'job: rank {} local {}\n'.format(r, r) in out, out
+
+
+@pytest.mark.parametrize('how,offered', [
+    ('main', True), ('thread', False), ('own', False)])
+def test_a_stop_is_offered_only_where_every_rank_takes_the_signal(
+        tmp_path, how, offered):
+    # SIGUSR1 would kill a rank without the extension's handler: the job
+    # offers to stop at a snapshot (resize) only when all took it.
+    env = dict(_env(), CHAINERMN_OVERLAP_RESTART='0',
+               CHAINERMN_OVERLAP_PROGRESS_FILE='-')
+    proc = subprocess.run(
+        [MPIEXEC, '-n', '2', sys.executable,
+         os.path.join(HERE, 'resize_job.py'), str(tmp_path / 'snap'), how],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env=env, timeout=90)
+    assert proc.returncode == 0, proc.stdout
+    events = [json.loads(line.split(PROGRESS_TAG, 1)[1])
+              for line in proc.stdout.splitlines() if PROGRESS_TAG in line]
+    assert [e['event'] for e in events] == ['resumed'], proc.stdout
+    assert events[0]['resize'] is offered, proc.stdout
+
+
+ODD = '''
+import sys
+from mpi4py import MPI
+tag = "chainermn_overlap.launch: rank ended "
+sys.stdout.write(tag + "[1, 2]\\n" + tag + "null\\n" + tag + "{\\n")
+sys.stdout.write("x" * 300000 + "\\n")
+sys.stdout.flush()
+MPI.COMM_WORLD.Barrier()
+sys.stdout.write("job: rank {} done\\n".format(MPI.COMM_WORLD.rank))
+'''
+
+EMBED = '''
+import subprocess, sys, time
+from chainermn_overlap.launch import Launcher
+# The embedding program's own child, which the launcher must leave alone.
+own = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+code = Launcher([sys.executable, sys.argv[1]], 2, max_restarts=0).run()
+time.sleep(0.5)
+sys.stdout.write("embed: launcher {} own child {}\\n".format(
+    code, "alive" if own.poll() is None else "ended %s" % own.returncode))
+own.kill()
+'''
+
+
+def test_odd_output_and_an_embedding_program(tmp_path):
+    # Lines with the launcher's tag that are not its records, and a very
+    # long line: shown as they are, the pumps go on, the job ends.
+    script = tmp_path / 'odd.py'
+    script.write_text(ODD)
+    embed = tmp_path / 'embed.py'
+    embed.write_text(EMBED)
+    proc = subprocess.run([sys.executable, str(embed), str(script)],
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                          text=True, env=_env(), timeout=90)
+    out = proc.stdout
+    assert 'embed: launcher 0 own child alive' in out, out[-3000:]
+    for r in (0, 1):
+        assert 'job: rank {} done'.format(r) in out, out[-3000:]
+    assert 'rank ended [1, 2]' in out and 'x' * 300000 in out, out[-3000:]
+    assert 'Traceback' not in out, out[-3000:]
