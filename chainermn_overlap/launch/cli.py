@@ -62,9 +62,11 @@ def _parser():
         '--min-hosts 1 --max-restarts 10 -- train.py (hosts.txt: one '
         '"host:slots" line per machine; snapshots in a folder every host '
         'sees).')
-    p.add_argument('-n', '--ranks', type=int, default=None,
-                   help='number of ranks (processes); with hosts, default '
-                   'every slot listed')
+    p.add_argument('-n', '--ranks', '--max-ranks', type=int, default=None,
+                   help='number of ranks (processes), the most an attempt '
+                   'uses: with --min-ranks or --min-hosts a job starts on '
+                   'fewer and grows to it as --host-discovery lists more '
+                   'slots; with hosts, default every slot first listed')
     hosts = p.add_argument_group(
         'several hosts (over ssh, with Hydra\'s ssh launcher)')
     hosts.add_argument('--hostfile', default=None,

@@ -399,3 +399,11 @@ def test_the_reason_names_the_lost_session():
     assert "ssh session to host b ended while the job ran on" in reason
     assert 'SIGTERM' not in reason.split(';')[0], reason
     assert _elastic.failed_host(result, HOSTS) == 'b'
+
+
+def test_a_job_grows_past_its_first_allocation_up_to_max_ranks():
+    # -n 6 (--max-ranks) --min-ranks 1: two slots first, six later.
+    policy = _elastic.HostPolicy(6, 1, 1)
+    assert policy.plan([('a', 2)], {}) == ([('a', 2)], None)
+    listed = [('a', 2), ('b', 2), ('c', 4)]
+    assert policy.plan(listed, {}) == ([('a', 2), ('b', 2), ('c', 2)], None)
