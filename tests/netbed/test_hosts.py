@@ -184,6 +184,16 @@ def _cut_and_wait(bed, job, seconds):
 SESSION_BOUND = 15 + 5 + 15
 
 
+def _cut_heal_and_finish(bed, tmp_path, seconds, job_args=()):
+    """Cuts h1's link after iteration 20, heals it once attempt 1 starts;
+    returns (job, result, fault, whether attempt 0 ended, exit status)."""
+    job, result = start(bed, tmp_path, job_args=job_args)
+    fault, ended_ = _cut_and_wait(bed, job, seconds=seconds)
+    job.wait_for(r'attempt 1: starting')
+    faults.heal_link(bed, 1)
+    return job, result, fault, ended_, job.finish(300)
+
+
 def test_a_cut_link_hangs_without_the_watchdog(tmp_path):
     # Negative control: with the watchdog and the launcher's session check
     # off, nothing ends the attempt while the link is down (MPICH, UCX and
@@ -202,11 +212,8 @@ def test_a_cut_link_ends_the_attempt_by_its_ssh_session(tmp_path):
     # The watchdog off: the end of mpiexec's ssh session to h1 alone ends
     # the attempt, and the job resumes on h0 from its last snapshot.
     with hosts.HostBed(2, slots=2) as bed:
-        job, result = start(bed, tmp_path, job_args=['--timeout', '0'])
-        fault, ended_ = _cut_and_wait(bed, job, seconds=SESSION_BOUND)
-        job.wait_for(r'attempt 1: starting')
-        faults.heal_link(bed, 1)
-        code = job.finish(300)
+        job, result, fault, ended_, code = _cut_heal_and_finish(
+            bed, tmp_path, SESSION_BOUND, ['--timeout', '0'])
     text = job.text
     assert fault['state'] == 'down' and not fault['reachable'], fault
     assert ended_, text[-3000:]
@@ -227,11 +234,8 @@ def test_a_cut_link_ends_the_attempt_by_its_ssh_session(tmp_path):
 
 def test_a_cut_link_ends_the_attempt_and_the_job_shrinks(tmp_path):
     with hosts.HostBed(2, slots=2) as bed:
-        job, result = start(bed, tmp_path)
-        fault, ended_ = _cut_and_wait(bed, job, seconds=60)
-        job.wait_for(r'attempt 1: starting')
-        faults.heal_link(bed, 1)
-        code = job.finish(300)
+        job, result, fault, ended_, code = _cut_heal_and_finish(
+            bed, tmp_path, 60)
     text = job.text
     assert fault['state'] == 'down' and not fault['reachable'], fault
     assert ended_, text[-3000:]
