@@ -25,30 +25,40 @@ def _tuplify(obj):
     return obj
 
 
-def _allgather_bytes(mpi_comm, data):
+def _allgather_bytes(mpi_comm, data, wait=None):
     from mpi4py import MPI
     counts = numpy.empty(mpi_comm.Get_size(), dtype=numpy.int64)
-    mpi_comm.Allgather([numpy.array([len(data)], dtype=numpy.int64),
-                        MPI.INT64_T], [counts, MPI.INT64_T])
+    mine = [numpy.array([len(data)], dtype=numpy.int64), MPI.INT64_T]
+    if wait is None:
+        mpi_comm.Allgather(mine, [counts, MPI.INT64_T])
+    else:
+        wait([mpi_comm.Iallgather(mine, [counts, MPI.INT64_T])])
     counts = counts.tolist()
     out = numpy.empty(sum(counts), dtype=numpy.uint8)
     displs = numpy.concatenate([[0], numpy.cumsum(counts)[:-1]]).astype(
         numpy.int64).tolist()
-    mpi_comm.Allgatherv([numpy.frombuffer(data, dtype=numpy.uint8), MPI.BYTE],
-                        [out, counts, displs, MPI.BYTE])
+    send = [numpy.frombuffer(data, dtype=numpy.uint8), MPI.BYTE]
+    recv = [out, counts, displs, MPI.BYTE]
+    if wait is None:
+        mpi_comm.Allgatherv(send, recv)
+    else:
+        wait([mpi_comm.Iallgatherv(send, recv)])
     return [out[d:d + c] for d, c in zip(displs, counts)]
 
 
-def allgather_json(mpi_comm, obj, tuples=False):
+def allgather_json(mpi_comm, obj, tuples=False, wait=None):
     """Every rank's ``obj`` (JSON-serialisable), in rank order.
 
     Args:
         tuples (bool): return JSON arrays as tuples (also for this rank's
             own entry, so that all entries compare alike).
+        wait (callable): if given, the non-blocking collectives are posted
+            and ``wait(requests)`` waits for them (a bounded wait); else
+            the blocking ones are called.
     """
     data = json.dumps(obj, default=_default).encode()
     out = [json.loads(b.tobytes().decode())
-           for b in _allgather_bytes(mpi_comm, data)]
+           for b in _allgather_bytes(mpi_comm, data, wait)]
     return [_tuplify(o) for o in out] if tuples else out
 
 

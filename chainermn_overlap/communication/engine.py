@@ -92,6 +92,11 @@ def _close_all():
         # hang, and the other ranks would wait for us forever.
         abort.abort_job('exits while a collective is stuck ({})'.format(
             stuck[0].stuck))
+    pending = watchdog_module.abandoned()
+    if pending:
+        # The same for a request the main thread gave up on.
+        abort.abort_job('exits while {} is pending (its wait timed out)'
+                        .format(pending[0]))
 
 
 def check_thread_multiple(engine_name: str) -> None:
@@ -335,11 +340,18 @@ class Engine(object):
                 cur.what, now - cur.since)
         return text
 
-    def mark_stuck(self) -> None:
-        """A wait on this engine timed out: later posts raise at once."""
+    def mark_stuck(self, what: Optional[str] = None) -> None:
+        """A wait on this engine timed out: later posts raise at once.
+
+        Args:
+            what (str): the collective that never completed, when it is not
+                the one the thread is inside (one the main thread ran).
+        """
         cur = self._current
-        self.stuck = ('rank {}: {} never completed'.format(self.rank, cur.what)
-                      if cur is not None else
+        if what is None and cur is not None:
+            what = cur.what
+        self.stuck = ('rank {}: {} never completed'.format(self.rank, what)
+                      if what is not None else
                       'rank {}: a wait timed out'.format(self.rank))
 
     # -- for the policy: running collectives, completing handles ---------

@@ -101,7 +101,7 @@ class _Unattached(object):
         return 'collective #{}, posted {:.1f} s ago'.format(
             handle.seq, time.perf_counter() - handle.posted_at)
 
-    def mark_stuck(self):
+    def mark_stuck(self, what=None):
         pass
 
 

@@ -13,6 +13,13 @@ wrong:
   its main thread is.  It needs no cooperation from a stuck rank's main
   thread or communication thread, so it works exactly when needed: when
   some rank is stuck in Python code, in another collective, or in I/O.
+* :meth:`Watchdog.wait_requests` (and :func:`wait_requests`) bound the
+  waits of the collectives the main thread runs itself (a gradient norm, a
+  gather of sharded states, a barrier, a fetch of parameters): the same
+  limit as the reductions', polling non-blocking MPI requests (which is
+  also what makes them progress).  A request given up on stays pending, and
+  MPI_Finalize would then hang: the process calls MPI_Abort at exit
+  instead (:func:`abandoned`).
 * :func:`control_message` / :func:`check_control` piggy-back a fingerprint
   of the bucket layout and the iteration number of every rank on the
   per-iteration control allreduce (an allgather done by ``MAX`` over
@@ -37,13 +44,14 @@ from typing import Any, Callable, Dict, Optional, Sequence
 import numpy
 
 from chainermn_overlap import config
+from chainermn_overlap.communication import progress
 from chainermn_overlap.errors import CollectiveMismatchError
 from chainermn_overlap.errors import CommunicationTimeout
 from chainermn_overlap.errors import StallWarning
 
-__all__ = ['StallInspector', 'Watchdog', 'check_control',
+__all__ = ['StallInspector', 'Watchdog', 'abandoned', 'check_control',
            'check_same_collective', 'control_message', 'layout_fingerprint',
-           'main_thread_location']
+           'main_thread_location', 'wait_requests']
 
 # Kept importable from here, where they used to live.
 TIMEOUT_ENV = config.TIMEOUT_ENV
@@ -117,6 +125,35 @@ class Watchdog(object):
                               StallWarning, stacklevel=4)
                 next_warning += step
 
+    def wait_requests(self, requests: Sequence[Any], label: str,
+                      timeout: Optional[float] = None,
+                      detail: Optional[Callable[[], str]] = None,
+                      hint: str = '') -> None:
+        """Waits for MPI requests the main thread posted; raises on timeout.
+
+        For the collectives (and fetches) that are not the communication
+        thread's: bounded by this watchdog's limit, with its stall
+        warnings.  On a timeout the backend is marked stuck (its later
+        posts raise at once: the communicator now holds a collective that
+        peers may still join) and the process calls MPI_Abort at exit.
+
+        Args:
+            requests: mpi4py requests, all posted.
+            label (str): what is waited for, in messages.
+            timeout (float or None): overrides the watchdog's timeout.
+            detail (callable): returns text for the timeout message (e.g.
+                which peers have not answered), called then.
+            hint (str): what to do about it, in the timeout message.
+        """
+        def on_timeout():
+            mark = getattr(self.backend, 'mark_stuck', None)
+            if mark is not None:
+                mark(label)
+        wait_requests(requests, label, self.backend.rank,
+                      self.timeout if timeout is None else timeout,
+                      self.stall_warning, detail=detail, hint=hint,
+                      on_timeout=on_timeout)
+
     def _diagnosis(self, handle):
         inspector = getattr(self.backend, 'inspector', None)
         if inspector is None:
@@ -153,6 +190,86 @@ class Watchdog(object):
                 progress=self.backend.describe_progress(handle),
                 diag=self._diagnosis(handle),
                 stall=config.STALL_WARNING_ENV, env=config.TIMEOUT_ENV))
+
+
+# Main-thread requests given up on by a timeout: (label, requests).
+_ABANDONED = []
+
+
+def abandoned() -> list:
+    """Labels of the requests given up on that are still pending.
+
+    The engines' exit handler calls MPI_Abort while there is one: MPICH's
+    MPI_Finalize waits for such a request (measured: a rank that gave up
+    on an Iallreduce never ended).
+    """
+    if not _ABANDONED:
+        return []
+    from mpi4py import MPI
+    out = []
+    for label, requests in _ABANDONED:
+        try:
+            if not MPI.Request.Testall(requests):
+                out.append(label)
+        except MPI.Exception:   # a broken request: treat it as pending
+            out.append(label)
+    return out
+
+
+def wait_requests(requests: Sequence[Any], label: str, rank: Any,
+                  timeout: Optional[float],
+                  stall_warning: Optional[float] = None,
+                  detail: Optional[Callable[[], str]] = None,
+                  hint: str = '',
+                  on_timeout: Optional[Callable[[], None]] = None) -> None:
+    """Polls ``requests`` between short sleeps until all completed.
+
+    Raises :class:`CommunicationTimeout` after ``timeout`` seconds (None or
+    0: no limit), naming ``label`` and the rank; warns with
+    :class:`StallWarning` every ``stall_warning`` seconds meanwhile.  The
+    sleeps (:mod:`.progress`: 10 us doubling to 250 us) leave the core to
+    other threads; each test drives MPI's progress.
+    """
+    from mpi4py import MPI
+    requests = list(requests)
+    if not requests:
+        return
+    timeout = timeout or None
+    t0 = time.monotonic()
+    next_warning = stall_warning
+    delay = progress.MIN_SLEEP
+    while not MPI.Request.Testall(requests):
+        waited = time.monotonic() - t0
+        if timeout is not None and waited >= timeout:
+            _ABANDONED.append((label, requests))
+            if on_timeout is not None:
+                on_timeout()
+            raise CommunicationTimeout(_requests_timeout_message(
+                rank, label, waited, detail() if detail else '', hint))
+        if next_warning is not None and waited >= next_warning:
+            warnings.warn('rank {}: has waited {} for {}.{}'.format(
+                rank, _fmt_s(waited), label,
+                ' ' + detail() if detail else ''), StallWarning,
+                stacklevel=3)
+            next_warning += stall_warning
+        time.sleep(delay)
+        delay = min(2 * delay, progress.MAX_SLEEP)
+
+
+def _requests_timeout_message(rank, label, waited, detail, hint):
+    return (
+        'rank {rank}: timed out after {waited} waiting for {label}.{detail}'
+        '{hint} A rank it needs has not taken part: it raised an error or '
+        'was killed, is stuck or much slower, called it at another point (or '
+        'not at all), or the network between ranks failed. The request stays '
+        'pending, so this process calls MPI_Abort at exit. Fixes: call '
+        'chainermn_overlap.enable_abort_on_exception() on every rank so '
+        'that an error on one rank ends the job at once; if the job is '
+        'merely slow, raise the limit with create_overlapped_optimizer(..., '
+        'timeout=<seconds>) or {env}=<seconds> (0 disables).'.format(
+            rank=rank, waited=_fmt_s(waited), label=label,
+            detail=' ' + detail if detail else '',
+            hint=' ' + hint if hint else '', env=config.TIMEOUT_ENV))
 
 
 # ----------------------------------------------------------------------------

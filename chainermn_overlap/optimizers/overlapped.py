@@ -164,8 +164,9 @@ class _OverlapState(object):
         taps.install_param_use_hook(self.tracker)
         taps.install_graph_dump_filter()
 
-    def detach(self):
-        self.synchronize()
+    def detach(self, synchronize=True):
+        if synchronize:
+            self.synchronize()
         self.tracker.unhook_all()
         taps.uninstall_param_use_hook(self.tracker)
         if self.target is not None:
@@ -178,13 +179,22 @@ class _OverlapState(object):
         return self.timeline.write()
 
     def close(self):
-        if self.target is not None:
-            self.detach()
-        self.policy.close()
-        self.write_timeline()
-        if self.engine is not None:
-            self.engine.close()
-            self.engine = None
+        # Never waits without limit (each wait is bounded by the watchdog),
+        # and after a timeout (the engine is stuck) waits for nothing; the
+        # engine and the policy's resources are released even if a wait
+        # raises.
+        stuck = self.engine is not None and self.engine.stuck is not None
+        try:
+            try:
+                if self.target is not None:
+                    self.detach(synchronize=not stuck)
+            finally:
+                self.policy.close()
+        finally:
+            self.write_timeline()
+            if self.engine is not None:
+                self.engine.close()
+                self.engine = None
 
     def _hook_links(self):
         self.tracker.hook_links(self.target)

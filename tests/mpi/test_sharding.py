@@ -10,6 +10,7 @@ iterations, reads of whole parameters on one rank alone, and the errors.
 Collective tests: every rank runs this file.
 """
 import os
+import re
 
 import numpy as np
 import pytest
@@ -182,6 +183,112 @@ def test_resume_at_another_rank_count(comm, shard, tmp_path):
     sub_mpi.Free()
     _same_everywhere(comm, ok, 'resumed on {} rank(s): {}'.format(
         size, errors[:5]))
+
+
+def _held(model, opt):
+    """Copies of every rule's ``t`` and state arrays, and the optimizer's
+    ``t`` and ``epoch``."""
+    out = {'t': opt.t, 'epoch': opt.epoch}
+    for name, p in model.namedparams():
+        rule = p.update_rule
+        out[name] = (rule.t, None if rule.state is None else {
+            k: None if v is None else np.array(v, copy=True)
+            for k, v in rule.state.items()})
+    return out
+
+
+def _held_differences(a, b):
+    errors = []
+    for key in sorted(a):
+        x, y = a[key], b[key]
+        if key in ('t', 'epoch'):
+            if x != y:
+                errors.append('{}: {} then {}'.format(key, x, y))
+            continue
+        if x[0] != y[0]:
+            errors.append('{}/t: {} then {}'.format(key, x[0], y[0]))
+        if (x[1] is None) != (y[1] is None) or (
+                x[1] is not None and sorted(x[1]) != sorted(y[1])):
+            errors.append('{}: state keys {} then {}'.format(
+                key, x[1] and sorted(x[1]), y[1] and sorted(y[1])))
+            continue
+        for k in sorted(x[1] or {}):
+            u, v = x[1][k], y[1][k]
+            if (u is None) != (v is None) or (
+                    u is not None and (u.shape != v.shape
+                                       or not np.array_equal(u, v))):
+                errors.append('{}/{} changed'.format(key, k))
+    return errors
+
+
+def _load_error(path, opt, expected, **kwargs):
+    """Loads ``path`` into ``opt``; returns what differs from raising
+    ``expected`` (an exception type, message pattern)."""
+    cls, pattern = expected
+    try:
+        serializers.load_npz(path, opt, **kwargs)
+    except cls as e:
+        if not re.search(pattern, str(e)):
+            return ['{} says {!r}, not {!r}'.format(cls.__name__, str(e),
+                                                    pattern)]
+        return []
+    except Exception as e:  # reported on every rank, not raised on one
+        return ['raised {!r}, not {}'.format(e, cls.__name__)]
+    return ['loaded without error, expected {}'.format(cls.__name__)]
+
+
+@pytest.mark.parametrize('shard', MODES)
+def test_a_load_reads_everything_before_it_replaces_anything(comm, shard,
+                                                            tmp_path):
+    """A load that fails (a key missing, a wrong shape) leaves the state as
+    it was and names the key; ``strict=False`` with a key missing keeps
+    that key's state (as an unsharded optimizer does), loads the rest, and
+    training goes on."""
+    batches = _batches(18)
+    base = str(tmp_path / 'r{}'.format(comm.rank))
+    model, opt = _train_and_save(
+        comm, lambda m: _make(comm, _adam(), shard).setup(m), batches, base)
+    opt.synchronize()
+    good = _npz(base + '.opt.npz')
+    name = 'predictor/l2/W/m'
+    assert name in good, sorted(good)
+    held = _held(model, opt)
+    errors = []
+    missing = {k: v for k, v in good.items() if k != name}
+    np.savez(base + '.missing.npz', **missing)
+    errors += _load_error(base + '.missing.npz', opt,
+                          (KeyError, re.escape(name)))
+    errors += ['missing key: ' + e
+               for e in _held_differences(held, _held(model, opt))]
+    wrong = dict(good, **{name: np.zeros(3, dtype=np.float32)})
+    np.savez(base + '.wrong.npz', **wrong)
+    errors += _load_error(base + '.wrong.npz', opt,
+                          (ValueError, re.escape(name) + '.*shape'))
+    errors += ['wrong shape: ' + e
+               for e in _held_differences(held, _held(model, opt))]
+    # strict=False: every other moment read (+1), l2's m kept.
+    shifted = {k: (v + 1 if k.endswith(('/m', '/v')) else v)
+               for k, v in missing.items()}
+    shifted['t'] = np.asarray(good['t'] + 7)
+    np.savez(base + '.shifted.npz', **shifted)
+    serializers.load_npz(base + '.shifted.npz', opt, strict=False)
+    after = _held(model, opt)
+    l2m = after['/predictor/l2/W'][1]['m']
+    if not np.array_equal(l2m, held['/predictor/l2/W'][1]['m']):
+        errors.append("strict=False: the missing key's state was not kept")
+    l1v = after['/predictor/l1/W'][1]['v']
+    if not np.allclose(l1v, held['/predictor/l1/W'][1]['v'] + 1):
+        errors.append('strict=False: the other states were not loaded')
+    if after['t'] != held['t'] + 7:
+        errors.append('strict=False: t is {}, not {}'.format(
+            after['t'], held['t'] + 7))
+    x, t = batches[3]
+    opt.update(model, x, t)
+    opt.synchronize()
+    if not all(np.isfinite(p.array).all() for p in model.params()):
+        errors.append('the update after the load is not finite')
+    opt.close()
+    _same_everywhere(comm, not errors, '; '.join(errors[:6]))
 
 
 # ---------------------------------------------------------------------------

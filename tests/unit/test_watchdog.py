@@ -1,4 +1,5 @@
-"""Pure parts of the watchdog: option parsing and the control-message check."""
+"""Parts of the watchdog that need no peer: option parsing, the
+control-message check and the bounded wait on MPI requests (one process)."""
 import numpy
 import pytest
 
@@ -52,3 +53,41 @@ def test_control_message_names_disagreeing_ranks():
     msg = str(e.value)
     assert 'rank 1:' in msg
     assert 'ranks [0, 1]: iteration 7; ranks [2]: iteration 8' in msg, msg
+
+
+def test_wait_requests_is_bounded_and_names_the_operation():
+    # A receive nobody sends (one process): the wait warns, times out
+    # naming the operation, marks the backend stuck, and counts the request
+    # as abandoned (MPI_Abort at exit) until it completes.
+    import time
+    from mpi4py import MPI
+    from chainermn_overlap.errors import CommunicationTimeout, StallWarning
+
+    class Backend(object):
+        rank = 0
+        marked = []
+
+        def mark_stuck(self, what=None):
+            self.marked.append(what)
+
+    comm = MPI.COMM_SELF.Dup()
+    req = comm.Irecv(numpy.empty(1), source=0, tag=99)
+    dog = watchdog.Watchdog(Backend(), timeout=0.3, stall_warning=0.2)
+    t0 = time.monotonic()
+    try:
+        with pytest.warns(StallWarning, match='rank 0: has waited 0.2 s for '
+                          'the test receive'):
+            with pytest.raises(CommunicationTimeout, match=(
+                    r'^rank 0: timed out after 0\.3 s waiting for the test '
+                    r'receive\. nobody sends\. Do this\. ')):
+                dog.wait_requests([req], 'the test receive',
+                                  detail=lambda: 'nobody sends.',
+                                  hint='Do this.')
+        assert 0.3 <= time.monotonic() - t0 < 2.0
+        assert Backend.marked == ['the test receive']
+        assert 'the test receive' in watchdog.abandoned()
+    finally:
+        req.Cancel()
+        req.Wait()
+        comm.Free()
+    assert 'the test receive' not in watchdog.abandoned()

@@ -36,7 +36,6 @@ import numpy
 
 import chainer
 
-from chainermn_overlap import config
 from chainermn_overlap.optimizers.sharding import policy as sharded
 from chainermn_overlap.optimizers.sharding import server as server_module
 
@@ -115,10 +114,24 @@ class ParameterShardedPolicy(sharded.ShardedPolicy):
 
     def close(self):
         """Makes every parameter whole and stops the server (collective:
-        no server may stop while another rank still fetches from it)."""
-        self.materialize()
-        if self.server is not None:
-            self.mpi_comm.Barrier()
+        no server may stop while another rank still fetches from it).
+
+        Every wait is bounded by the optimizer's timeout; after a timeout
+        (the engine is stuck, e.g. a peer was lost) nothing is waited for:
+        the server just stops.
+        """
+        if self.server is None:
+            return
+        engine = self.reducer.engine
+        try:
+            if engine is None or engine.stuck is None:
+                self.materialize()
+                self.wait_requests(
+                    [self.mpi_comm.Ibarrier()], "the barrier of close()",
+                    hint="With shard='parameters' close() is collective (no "
+                    'rank stops serving its parameters while another may '
+                    'still fetch them): call it on every rank.')
+        finally:
             self.server.close()
             self.server = None
 
@@ -155,7 +168,11 @@ class ParameterShardedPolicy(sharded.ShardedPolicy):
         for i, bucket in enumerate(self.buckets):
             flags[i] = any(info.tainted or info.late
                            for info in self.by_bucket[bucket.index])
-        self.mpi_comm.Allreduce(MPI.IN_PLACE, flags, op=MPI.MAX)
+        self.wait_requests(
+            [self.mpi_comm.Iallreduce(MPI.IN_PLACE, flags, op=MPI.MAX)],
+            "the allreduce that decides which buckets stay whole (shard="
+            "'parameters', the first update of a layout) of iteration {}"
+            .format(self.iteration()))
         self.whole = {b.index for b, f in zip(self.buckets, flags) if f}
 
     def _release(self, bucket, write_back, first=False):
@@ -245,7 +262,7 @@ class ParameterShardedPolicy(sharded.ShardedPolicy):
         full = self.live.get(index)
         if full is None:
             self._start(bucket)
-            full = self.fetching.pop(index).wait(config.resolve_timeout(None))
+            full = self.fetching.pop(index).wait(watchdog=self._watchdog())
             self.live[index] = full
         for other in list(self.live):
             if other != index and other not in keep:
@@ -331,10 +348,14 @@ class ParameterShardedPolicy(sharded.ShardedPolicy):
         self.released -= self.materialized
         self._forget_fetched()
 
+    def _watchdog(self):
+        # The optimizer's timeout= (the engine's watchdog) bounds fetches.
+        return self.reducer.engine.watchdog
+
     def _settle_fetches(self):
-        timeout = config.resolve_timeout(None)
+        watchdog = self._watchdog()
         for fetch in self.fetching.values():
-            fetch.wait(timeout)
+            fetch.wait(watchdog=watchdog)
         self.fetching = {}
 
     def _forget_fetched(self):

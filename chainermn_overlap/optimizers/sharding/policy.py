@@ -45,6 +45,7 @@ from chainermn_overlap.optimizers.sharding import collectives
 from chainermn_overlap.optimizers.sharding import layout as shard_layout
 from chainermn_overlap.optimizers.sharding import rules
 from chainermn_overlap.optimizers.sharding import state as sharding_state
+from chainermn_overlap.optimizers.sharding import writers
 
 __all__ = ['ReduceScatterMean', 'ShardedPolicy']
 
@@ -211,6 +212,8 @@ class ShardedPolicy(object):
     # Layout
 
     def set_layout(self, infos):
+        # Before the first snapshot can hang: on every rank, at once.
+        writers.check_trainer(self.actual, self.rank)
         self.infos = infos
         self.by_bucket = {}
         buckets = {}
@@ -253,22 +256,32 @@ class ShardedPolicy(object):
 
     def before_relayout(self):
         """Gathers the states whole: the new layout cuts them anew."""
-        sharding_state.consolidate(self)
+        sharding_state.consolidate(self, 'a new bucket layout')
 
     def serialize(self, actual, serializer):
         """The actual optimizer's ``serialize`` with whole states.
 
-        Saving gathers them (collective), loading reads them whole; either
-        way each rank then keeps its slices only.
+        Saving gathers them (collective: every rank must save at the same
+        point; :mod:`.writers`), loading reads them whole and replaces the
+        states only once all is read and checked (:func:`.state.load`);
+        either way each rank then keeps its slices only.
         """
         if isinstance(serializer, chainer.serializer.Deserializer):
-            sharding_state.forget_arrays(self)
-            actual.serialize(serializer)
+            sharding_state.load(self, actual, serializer)
+            self.states_sharded = False
         else:
-            sharding_state.consolidate(self)
+            if self.states_sharded:
+                writers.check_every_rank_writes(self.rank)
+            sharding_state.consolidate(self, 'serialize()')
             actual.serialize(serializer)
         if self.buckets:
             self.cut_states()
+
+    def wait_requests(self, requests, label, hint=''):
+        """Waits for MPI requests of a collective the main thread posted,
+        bounded as the reductions are (the optimizer's ``timeout=``)."""
+        self.reducer.engine.watchdog.wait_requests(requests, label,
+                                                   hint=hint)
 
     def throttle(self):
         """Before a bucket's buffer is filled: while the full buffers still
@@ -412,7 +425,10 @@ class ShardedPolicy(object):
         for proxy in proxies:
             g = proxy.grad.ravel()
             local += float(g.dot(g))
-        self.mpi_comm.Allreduce(MPI.IN_PLACE, local, op=MPI.SUM)
+        self.wait_requests(
+            [self.mpi_comm.Iallreduce(MPI.IN_PLACE, local, op=MPI.SUM)],
+            'the allreduce of the gradient norm for GradientClipping of '
+            'iteration {}'.format(self.iteration()))
         if not proxies:
             return
         dtype = proxies[0].grad.dtype

@@ -38,6 +38,8 @@ import time
 
 import numpy
 
+from chainermn_overlap.communication import watchdog as watchdog_module
+
 __all__ = ['Fetch', 'ShardServer']
 
 _REQUEST = 1
@@ -69,8 +71,9 @@ class Fetch(object):
     """A bucket being fetched: ``wait()`` returns the whole flat array."""
 
     def __init__(self, bucket, full, requests, own, version=None,
-                 owners=(), tag=None):
+                 owners=(), tag=None, rank=None):
         self.bucket = bucket
+        self.rank = rank   # the fetching rank, for messages
         self.tag = tag   # the tag its answers come under
         self.full = full
         self.requests = requests
@@ -78,30 +81,45 @@ class Fetch(object):
         self.version = version
         self.owners = list(owners)   # the rank of each (receive, request)
 
-    def wait(self, timeout):
-        """Blocks until every piece arrived; raises after ``timeout`` s."""
-        MPI = _mpi()
+    def label(self):
+        return ('the fetch of the parameters of bucket {} (version {}, tag '
+                '{}) from rank(s) {}'.format(self.bucket.index, self.version,
+                                             self.tag, self.owners))
+
+    def _unanswered(self):
+        # requests: (answer receive, request send) per owner.
+        pairs = list(zip(self.owners, self.requests[0::2],
+                         self.requests[1::2]))
+        missing = [r for r, recv, _ in pairs if not recv.Test()]
+        unsent = [r for r, _, send in pairs if not send.Test()]
+        return ('No answer from rank(s) {}{}: a rank stopped answering (it '
+                'died, hangs, or its link is down).'.format(
+                    missing, ' (the request to rank(s) {} not even sent)'
+                    .format(unsent) if unsent else ''))
+
+    def wait(self, timeout=None, watchdog=None):
+        """Blocks until every piece arrived.
+
+        Args:
+            timeout (float or None): seconds before
+                :class:`~chainermn_overlap.CommunicationTimeout` (naming the
+                ranks that have not answered); None: the watchdog's (0 or
+                None without one: no limit).
+            watchdog: the optimizer's engine's
+                :class:`~chainermn_overlap.communication.watchdog.Watchdog`
+                (its limit and stall warnings; a timeout marks its engine
+                stuck).
+        """
         if self._own is not None:
             self._own(self.full)
             self._own = None
-        delay, t0 = _MIN_SLEEP, time.perf_counter()
-        while self.requests and not MPI.Request.Testall(self.requests):
-            if timeout and time.perf_counter() - t0 > timeout:
-                # requests: (answer receive, request send) per owner.
-                pairs = list(zip(self.owners, self.requests[0::2],
-                                 self.requests[1::2]))
-                missing = [r for r, recv, _ in pairs if not recv.Test()]
-                unsent = [r for r, _, send in pairs if not send.Test()]
-                raise RuntimeError(
-                    'fetching the parameters of bucket {} (version {}, tag '
-                    '{}) from their owners took more than {:.0f} s; no '
-                    'answer from rank(s) {}{}: a rank stopped answering (it '
-                    'died, hangs, or its link is down).'.format(
-                        self.bucket.index, self.version, self.tag, timeout,
-                        missing, ' (the request to rank(s) {} not even sent)'
-                        .format(unsent) if unsent else ''))
-            time.sleep(delay)
-            delay = min(2 * delay, _MAX_SLEEP)
+        if watchdog is not None:
+            watchdog.wait_requests(self.requests, self.label(), timeout,
+                                   detail=self._unanswered)
+        else:
+            watchdog_module.wait_requests(self.requests, self.label(),
+                                          self.rank, timeout,
+                                          detail=self._unanswered)
         self.requests = []
         return self.full
 
@@ -328,7 +346,8 @@ class ShardServer(object):
             _log.debug('rank %d: fetches bucket %d version %d from %s '
                        '(tag %d)', self.rank, bucket.index, version, owners,
                        tag)
-        return Fetch(bucket, full, requests, own, version, owners, tag)
+        return Fetch(bucket, full, requests, own, version, owners, tag,
+                     self.rank)
 
     def stop(self):
         """Stops listening, without waiting (an optimizer that was dropped
