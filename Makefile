@@ -95,13 +95,13 @@ bench: bench-overlap bench-compression bench-accuracy
 
 .PHONY: bench-overlap bench-compression bench-accuracy bench-hosts
 bench-overlap: bench-deps
-	$(PY) -m benchmarks.overlap_bench $(BENCH_ARGS)
+	$(PY) -m benchmarks overlap $(BENCH_ARGS)
 
 bench-compression: bench-deps
-	$(PY) -m benchmarks.compression_bench $(COMPRESSION_ARGS)
+	$(PY) -m benchmarks compression $(COMPRESSION_ARGS)
 
 bench-accuracy: bench-deps
-	$(PY) -m benchmarks.accuracy $(ACCURACY_ARGS)
+	$(PY) -m benchmarks accuracy $(ACCURACY_ARGS)
 
 # Multi-host soak (as root): 20 real host faults (processes killed, link
 # cut, host lost) in one run on the ssh test bed, recovery times to
@@ -113,7 +113,7 @@ bench-hosts: venv
 	    { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get \
 	      install -y -qq --no-install-recommends iproute2 openssh-server \
 	      openssh-client util-linux; }
-	$(PY) -m benchmarks.hosts_soak $(HOSTS_SOAK_ARGS)
+	$(PY) -m benchmarks hosts_soak $(HOSTS_SOAK_ARGS)
 
 clean:
 	rm -rf $(VENV) .mpi-logs .test-logs build dist *.egg-info docs/_build
@@ -166,8 +166,8 @@ CHANNEL_TILING_ARGS ?=
 bench-spatial: venv
 	@$(PY) -c 'import matplotlib' 2>/dev/null || \
 	    $(PY) -m pip install -q matplotlib
-	$(PY) -m benchmarks.spatial_bench $(SPATIAL_ARGS)
-	$(PY) -m benchmarks.channel_tiling_bench $(CHANNEL_TILING_ARGS)
+	$(PY) -m benchmarks spatial $(SPATIAL_ARGS)
+	$(PY) -m benchmarks channel_tiling $(CHANNEL_TILING_ARGS)
 
 # Sharding (shard='optimizer' | 'gradients' | 'parameters'): bytes per rank
 # of a 37.7 M-parameter MLP with Adam at 1, 2 and 4 ranks (tracemalloc),
@@ -178,7 +178,7 @@ bench-spatial: venv
 SHARDING_ARGS ?=
 .PHONY: bench-sharding
 bench-sharding: bench-deps
-	$(PY) -m benchmarks.sharding_bench $(SHARDING_ARGS)
+	$(PY) -m benchmarks sharding $(SHARDING_ARGS)
 
 # GPU variants of the optimizer equivalence, distconv exactness and snapshot
 # suites (tests/gpu) with model and data on $(GPU_DEVICE), at 1 and 2 ranks
@@ -195,8 +195,8 @@ test-gpu: venv
 	    echo "test-gpu: skipped: no NVIDIA GPU here (nvidia-smi lists none)"; \
 	    exit 0; fi; \
 	set -e; out=$${OUT:-benchmarks/results}; mkdir -p $$out; \
-	$(PY) -m benchmarks.gpu_bench install --json $$out/gpu_install.json; \
-	export LD_LIBRARY_PATH="$$($(PY) -m benchmarks.gpu_bench libpath):$${LD_LIBRARY_PATH:-}"; \
+	$(PY) -m benchmarks gpu install --json $$out/gpu_install.json; \
+	export LD_LIBRARY_PATH="$$($(PY) -m benchmarks gpu libpath):$${LD_LIBRARY_PATH:-}"; \
 	export CHAINERMN_OVERLAP_TEST_DEVICE=$(GPU_DEVICE); \
 	for n in $(GPU_NP_LIST); do \
 	    echo "== GPU tests at $$n rank(s) on $(GPU_DEVICE) =="; \
@@ -204,9 +204,9 @@ test-gpu: venv
 	        tests/gpu -q -rs; \
 	done
 
-# The peer framework of benchmarks/peers_torch.py (PyTorch DDP), in a venv
-# of its own: torch's CPU wheel, pinned (an unpinned torch pulls a CUDA
-# build of several GB).  The main venv provides mpiexec.  The project's pip
+# The peer framework of benchmarks/harness/peers_torch.py (PyTorch DDP), in
+# a venv of its own: torch's CPU wheel, pinned (an unpinned torch pulls a
+# CUDA build of several GB).  The main venv provides mpiexec.  The project's pip
 # constraints (setuptools<70, for chainer) are not this venv's: torch needs
 # a newer setuptools, so they are left out here.
 PEERS_VENV := .venv-peers
@@ -229,7 +229,7 @@ $(PEERS_STAMP):
 PEERS_ARGS ?= --model resnet18 --batch 8 --insize 128
 .PHONY: bench-peers
 bench-peers: bench-deps peers-venv
-	$(PY) -m benchmarks.peers_bench $(PEERS_ARGS)
+	$(PY) -m benchmarks peers $(PEERS_ARGS)
 
 # PowerSGD's arithmetic per step, kernel by kernel, on ResNet-18's matrices
 # (one process; KERNELS_ARGS='--build OLD.so' times another build alongside).
@@ -237,7 +237,7 @@ KERNELS_ARGS ?=
 .PHONY: bench-kernels
 bench-kernels: bench-deps
 	OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 \
-	$(PY) -m benchmarks.powersgd_kernels $(KERNELS_ARGS)
+	$(PY) -m benchmarks powersgd_kernels $(KERNELS_ARGS)
 
 # Two revisions side by side on the same bed, interleaved rounds, paired
 # differences with intervals: make bench-ab A=main~1 B=WORKTREE
@@ -247,4 +247,4 @@ B ?= WORKTREE
 AB_ARGS ?=
 .PHONY: bench-ab
 bench-ab: bench-deps
-	$(PY) -m benchmarks.ab --a $(A) --b $(B) $(AB_ARGS)
+	$(PY) -m benchmarks ab --a $(A) --b $(B) $(AB_ARGS)

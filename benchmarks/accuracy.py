@@ -27,8 +27,8 @@ import time
 if not __package__:
     sys.path.insert(0, os.path.abspath(os.path.join(__file__, '..', '..')))
 
-from benchmarks import launch  # noqa: E402
-from benchmarks.machine import machine_description  # noqa: E402
+from benchmarks.harness import launch  # noqa: E402
+from benchmarks.harness.machine import machine_description  # noqa: E402
 
 RESULT_TAG = 'ACCURACY_RESULT '
 MODES = ['float32', 'float16', 'powersgd1', 'powersgd2', 'powersgd4']
@@ -127,7 +127,7 @@ def resnet_worker(cfg):
     import chainer.functions as F
     import chainermn
     import numpy
-    from benchmarks import workloads
+    from benchmarks.harness import workloads
     comm = chainermn.create_communicator('naive')
     out = {}
     for mode in cfg['modes']:

@@ -70,14 +70,13 @@ import argparse
 import json
 import os
 import platform
-import subprocess
 import sys
 import time
 
 if not __package__:
     sys.path.insert(0, os.path.abspath(os.path.join(__file__, '..', '..')))
 
-from benchmarks import launch, spatial_bench  # noqa: E402
+from benchmarks.harness import distconv_jobs, launch  # noqa: E402
 
 RESULT_TAG = 'RESULT '
 MODULE = 'benchmarks.channel_tiling_bench'
@@ -206,7 +205,7 @@ def late_worker(cfg):
         if procs == 1:
             if comm.rank == 0:
                 _step(*cfg_all[name][1:3])
-            spatial_bench._quiet_barrier(mpi)
+            distconv_jobs.quiet_barrier(mpi)
             continue
         configure(name)
         _step(*cfg_all[name][1:3])
@@ -222,7 +221,7 @@ def late_worker(cfg):
                         t0 = time.perf_counter()
                         _step(model, x)
                         times[name].append(time.perf_counter() - t0)
-                spatial_bench._quiet_barrier(mpi)
+                distconv_jobs.quiet_barrier(mpi)
                 continue
             configure(name)
             model, x = cfg_all[name][1:3]
@@ -241,7 +240,7 @@ def late_worker(cfg):
         if here:
             g, model, x, _ = cfg_all[name]
             configure(name)
-            peak, held = spatial_bench.step_memory(
+            peak, held = distconv_jobs.step_memory(
                 model, lambda: _loss(model, x))
             wbytes = sum(p.array.nbytes for p in model.params())
             mine = [peak, held, wbytes]
@@ -355,62 +354,9 @@ def _redundancy(grid, cfg, depth):
     return computed / float(owned)
 
 
-class _LatePending(object):
-    """A distconv exchange whose messages complete ``delay`` after posting.
-
-    Emulates a link's one-way latency inside the process when the kernel
-    has no ``netem`` (see ``--emulate-delay``): tests report the messages
-    as in flight until then, and a wait sleeps out the rest, so computation
-    between posting and waiting hides latency as it would on a real link.
-    """
-
-    def __init__(self, inner, delay):
-        self.inner = inner
-        self.ready = time.perf_counter() + delay
-        self.has_messages = inner.has_messages
-        self.n_recv = inner.n_recv
-
-    def _sleep(self):
-        left = self.ready - time.perf_counter()
-        if left > 0:
-            time.sleep(left)
-
-    def test(self):
-        done = self.inner.test()
-        return done and time.perf_counter() >= self.ready
-
-    @property
-    def completed(self):
-        return self.inner.completed and time.perf_counter() >= self.ready
-
-    def arrivals(self):
-        self._sleep()
-        return self.inner.arrivals()
-
-    def wait(self):
-        self._sleep()
-        return self.inner.wait()
-
-    def wait_flat(self):
-        self._sleep()
-        return self.inner.wait_flat()
-
-
-def _emulate_latency(delay):
-    """Patches distconv's message layer to add ``delay`` s per exchange."""
-    from chainermn_overlap.distconv import _comm
-    post = _comm.post_exchange
-
-    def late_post(*a, **k):
-        pending = post(*a, **k)
-        return _LatePending(pending, delay) if pending.has_messages \
-            else pending
-    _comm.post_exchange = late_post
-
-
 def tiling_worker(cfg):
     if cfg.get('emulated_delay_s'):
-        _emulate_latency(cfg['emulated_delay_s'])
+        distconv_jobs.emulate_latency(cfg['emulated_delay_s'])
     import chainer
     import chainer.functions as F
     import chainermn
@@ -484,7 +430,7 @@ def tiling_worker(cfg):
             'step_s': rec[name]['step_s']}
 
     def build(g, cand):
-        return _TunerModel(_stack(g, cfg, cand['depth'])[0])
+        return distconv_jobs.TunerModel(_stack(g, cfg, cand['depth'])[0])
 
     result = distconv.tune(comm, build, shape,
                            tuner.depth_candidates((comm.size, 1),
@@ -500,57 +446,25 @@ def tiling_worker(cfg):
         launch.emit_result(RESULT_TAG, out)
 
 
-class _TunerModel(object):
-    def __init__(self, model):
-        self.model = model
-
-    def __call__(self, x):
-        return self.model(x)
-
-    def cleargrads(self):
-        if hasattr(self.model, 'cleargrads'):
-            self.model.cleargrads()
-
-
 # ---------------------------------------------------------------------------
 # Orchestration
 # ---------------------------------------------------------------------------
-def _mpiexec(n, cmd, timeout):
-    mpiexec = os.path.join(os.path.dirname(sys.executable), 'mpiexec')
-    res = subprocess.run([mpiexec, '-n', str(n)] + cmd,
-                         env=dict(os.environ, **launch.worker_env()),
-                         capture_output=True, text=True, cwd=launch.ROOT,
-                         timeout=timeout)
-    return {'returncode': res.returncode, 'stdout': res.stdout,
-            'stderr': res.stderr}
-
-
 def _result(res, what):
-    run = launch.find_result(res['stdout'], RESULT_TAG)
-    if res['returncode'] or run is None:
-        sys.stderr.write((res['stdout'] or '')[-3000:]
-                         + (res['stderr'] or '')[-3000:])
-        raise SystemExit('channel_tiling_bench: %s failed (exit %s)'
-                         % (what, res['returncode']))
-    return run
+    return distconv_jobs.job_result(res, RESULT_TAG,
+                                    'channel_tiling_bench: ' + what)
 
 
 def _netbed_usable(args):
     if args.no_netbed or (args.quick and not args.netbed):
         return 'not requested (--no-netbed, or --quick without --netbed)'
-    if os.geteuid() != 0:
-        return 'needs root (network namespaces)'
-    from shutil import which
-    if not (which('ip') and which('tc')):
-        return 'needs iproute2 (ip, tc)'
-    return None
+    return distconv_jobs.why_no_netbed()
 
 
 def run_late(args):
     cfg = {'insize': args.late_insize, 'channels': args.late_channels,
            'batchsize': 1, 'rounds': args.rounds, 'steps': args.late_steps}
     cmd = launch.worker_command(MODULE, dict(cfg, part='late'))
-    run = _result(_mpiexec(2, cmd, args.timeout), 'late stage')
+    run = _result(distconv_jobs.mpiexec(2, cmd, args.timeout), 'late stage')
     summary = late_summary(run)
     sys.stdout.write(json.dumps(summary) + '\n')
     return {'config': cfg, 'run': run, 'summary': summary}
@@ -592,13 +506,13 @@ def run_tiling(args):
             _report(delay, run)
     if why_not is not None:
         # No netem (or no root): the latency is added in the processes'
-        # distconv message layer instead (_LatePending), over shared memory.
+        # distconv message layer instead (LatePending), over shared memory.
         from chainermn_overlap.config import parse_delay
         for delay in (delays if not args.quick or args.netbed
                       else delays[:1]):
             c = dict(cfg, part='tiling', emulated_delay_s=parse_delay(delay))
-            run = _result(_mpiexec(2, launch.worker_command(MODULE, c),
-                                   args.timeout),
+            cmd = launch.worker_command(MODULE, c)
+            run = _result(distconv_jobs.mpiexec(2, cmd, args.timeout),
                           'tiling with emulated latency %s' % delay)
             run.update(link={'delay': delay, 'emulated': True},
                        label='shared memory, one-way latency %s emulated '

@@ -34,9 +34,9 @@ import time
 if not __package__:
     sys.path.insert(0, os.path.abspath(os.path.join(__file__, '..', '..')))
 
-from benchmarks import launch  # noqa: E402
+from benchmarks.harness import launch  # noqa: E402
 from testbed import netbed  # noqa: E402
-from benchmarks.machine import machine_description  # noqa: E402
+from benchmarks.harness.machine import machine_description  # noqa: E402
 
 RESULT_TAG = 'COMM_COST_RESULT '
 

@@ -17,7 +17,7 @@ pinned to a core of its own with one BLAS thread (``testbed/netbed.py``,
 as ``benchmarks/overlap_bench.py``).  Two models: ResNet-50 (batch 4 at
 224 px) and a lighter one, ResNet-18 at 128 px (batch 8): 0.73x ResNet-50's
 compute per parameter, so what each byte costs weighs more.  Modes,
-interleaved in rounds in one job per link (:mod:`benchmarks.trainer`):
+interleaved in rounds in one job per link (:mod:`benchmarks.harness.trainer`):
 ``alone`` (the denominator), ChainerMN ``blocking``, and ours with
 ``wait='forward'``: float32 on the wire, float16 on the wire, PowerSGD of
 rank 1 and 4; and PowerSGD of rank 4 with ``wait='update'``.  Two links
@@ -29,8 +29,8 @@ per model:
   where no overlap of float32 can pass ~0.5.
 
 Each figure is the median over rounds of the per-round scalability, with
-its 95 % bootstrap interval (:mod:`benchmarks.stats`).  The bed's own bound
-is measured in the same run: the compute slowdown per byte while the link
+its 95 % bootstrap interval (:mod:`benchmarks.harness.stats`).  The bed's own
+bound is measured in the same run: the compute slowdown per byte while the link
 carries allreduces (``benchmarks/comm_cost.py``), so a mode moving ``B``
 bytes per iteration, with compression compute ``t_z``, can reach at most
 ``t_c / max(t_c + B * cost + t_z, B / link)``.  Each mode's scalability is
@@ -47,10 +47,11 @@ import time
 if not __package__:
     sys.path.insert(0, os.path.abspath(os.path.join(__file__, '..', '..')))
 
-from benchmarks import comm_cost, launch  # noqa: E402
-from benchmarks import bedrun as ob  # noqa: E402
+from benchmarks import comm_cost  # noqa: E402
+from benchmarks.harness import launch  # noqa: E402
+from benchmarks.harness import bedrun as ob  # noqa: E402
 from testbed import netbed  # noqa: E402
-from benchmarks.machine import machine_description  # noqa: E402
+from benchmarks.harness.machine import machine_description  # noqa: E402
 
 MODES = ['alone', 'blocking', 'overlap_forward', 'overlap_forward_float16',
          'overlap_forward_powersgd1', 'overlap_forward_powersgd4',
@@ -83,7 +84,7 @@ def wire_bytes(mode, model_name, grad_bytes):
     if mode.endswith('float16'):
         return grad_bytes / 2.0
     if 'powersgd' in mode:
-        from benchmarks import workloads
+        from benchmarks.harness import workloads
         from chainermn_overlap import PowerSGD
         shapes = [p.shape for p in
                   workloads.build_model(model_name).params()]

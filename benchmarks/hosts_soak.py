@@ -43,7 +43,7 @@ import time
 if not __package__:
     sys.path.insert(0, os.path.abspath(os.path.join(__file__, '..', '..')))
 
-from benchmarks import launch  # noqa: E402
+from benchmarks.harness import launch  # noqa: E402
 from testbed import faults, hosts, jobs  # noqa: E402
 from testbed._system import require_root  # noqa: E402
 
@@ -202,7 +202,7 @@ def main(argv=None):
     cores = os.cpu_count()
     # The soak's own processes load the machine too: judge by the start.
     shared = load0[0] > 0.25 * cores
-    from benchmarks import machine
+    from benchmarks.harness import machine
     out = {
         'label': ('measured while other jobs shared the machine (load '
                   'average {:.1f} at the start, {:.1f} at the end, {} '

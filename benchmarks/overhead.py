@@ -30,8 +30,9 @@ import chainermn_overlap
 if not __package__:
     sys.path.insert(0, os.path.abspath(os.path.join(__file__, '..', '..')))
 
-from benchmarks import launch  # noqa: E402
-from benchmarks.workloads import build_model, synthetic_batch  # noqa: E402
+from benchmarks.harness import launch  # noqa: E402
+from benchmarks.harness.workloads import (  # noqa: E402
+    build_model, synthetic_batch)
 
 
 def main():

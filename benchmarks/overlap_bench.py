@@ -24,11 +24,11 @@ of one rank alone.  ``alone`` runs inside the same job (each rank trains
 alone, no communication), so that the denominator is measured under the
 same load as the numerators (both cores busy).
 
-Rounds (:mod:`benchmarks.trainer`): every mode keeps one model and
+Rounds (:mod:`benchmarks.harness.trainer`): every mode keeps one model and
 optimizer for the whole job; each round runs every mode once (one untimed,
 then ``--iterations`` timed updates), the order alternating between rounds.
 Each figure is the median over rounds of that round's scalability, with a
-95 % bootstrap interval over rounds (:mod:`benchmarks.stats`).
+95 % bootstrap interval over rounds (:mod:`benchmarks.harness.stats`).
 
 Calibration: the link rate is chosen so that blocking lands in 0.60-0.72
 (the anchor's regime, 0.6672): from the measured compute time and the
@@ -53,10 +53,10 @@ import time
 if not __package__:
     sys.path.insert(0, os.path.abspath(os.path.join(__file__, '..', '..')))
 
-from benchmarks import anchor, launch, machine, trainer  # noqa: E402
-from benchmarks.launch import RESULTS, ROOT  # noqa: E402
-# Calibration and the per-round summaries live in benchmarks.bedrun.
-from benchmarks.bedrun import (  # noqa: E402,F401
+from benchmarks.harness import anchor, launch, machine, trainer  # noqa: E402
+from benchmarks.harness.launch import RESULTS, ROOT  # noqa: E402
+# Calibration and the per-round summaries live in benchmarks.harness.bedrun.
+from benchmarks.harness.bedrun import (  # noqa: E402,F401
     TARGET_BLOCKING, TARGET_CENTER, TARGET_TOLERANCE, add_scalability,
     slowest_rank_rounds,
     calibrate, expected_seconds, gradient_bytes, measure_alone, next_rate,

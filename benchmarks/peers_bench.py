@@ -7,15 +7,15 @@ PyTorch environment ``.venv-peers`` first)::
 
 Both frameworks train the same network (ResNet-50 by default, or
 ResNet-18 with ``--model resnet18``, what ``make bench-peers`` runs;
-:mod:`benchmarks.torch_models` mirrors the Chainer models layer for layer,
-parameter for parameter) on two ranks of one network test bed, each rank
+:mod:`benchmarks.harness.torch_models` mirrors the Chainer models layer for
+layer, parameter for parameter) on two ranks of one network test bed, each rank
 pinned to a core with one thread:
 
-* ours (:mod:`benchmarks.trainer`): one rank alone, ChainerMN's blocking
-  optimizer, and ours with ``wait='forward'``: float32, float16 on the
+* ours (:mod:`benchmarks.harness.trainer`): one rank alone, ChainerMN's
+  blocking optimizer, and ours with ``wait='forward'``: float32, float16 on the
   wire, PowerSGD of rank 1 and 4;
-* PyTorch (:mod:`benchmarks.peers_torch`, gloo): one rank alone, DDP with
-  float32, its ``fp16_compress_hook``, its ``powerSGD_hook`` of rank 1 and
+* PyTorch (:mod:`benchmarks.harness.peers_torch`, gloo): one rank alone, DDP
+  with float32, its ``fp16_compress_hook``, its ``powerSGD_hook`` of rank 1 and
   4 (one bucket: with several, gloo crashes, see that module).
 
 **Compute-matched.**  PyTorch computes a ResNet step faster than Chainer
@@ -27,10 +27,10 @@ its own single-rank speed, measured in the same rounds.
 
 **One run.**  The link is calibrated with ours (ChainerMN's blocking
 optimizer at the anchor's 0.667, as ``overlap_bench``); then both jobs
-start at once on that bed and take turns (:mod:`benchmarks.interleave`):
-rounds ours/theirs, theirs/ours, ..., each round every mode once.  Each
-figure is the median over rounds with its 95 % bootstrap interval; ours
-minus theirs is paired by round, with its interval.
+start at once on that bed and take turns
+(:mod:`benchmarks.harness.interleave`): rounds ours/theirs, theirs/ours, ...,
+each round every mode once.  Each figure is the median over rounds with its 95
+% bootstrap interval; ours minus theirs is paired by round, with its interval.
 
 Writes ``benchmarks/results/peers.json`` (the model and its configuration
 recorded in it; ``--out`` writes elsewhere).
@@ -46,12 +46,13 @@ import time
 if not __package__:
     sys.path.insert(0, os.path.abspath(os.path.join(__file__, '..', '..')))
 
-from benchmarks import bedrun, interleave, launch, stats, trainer  # noqa
-from benchmarks.machine import machine_description  # noqa: E402
+from benchmarks.harness import (  # noqa: E402
+    bedrun, interleave, launch, stats, trainer)
+from benchmarks.harness.machine import machine_description  # noqa: E402
 from testbed import netbed  # noqa: E402
 
 PEERS_PYTHON = os.path.join(launch.ROOT, '.venv-peers', 'bin', 'python')
-PEER_MODULE = 'benchmarks.peers_torch'
+PEER_MODULE = 'benchmarks.harness.peers_torch'
 OURS = ['alone', 'blocking', 'overlap_forward', 'overlap_forward_float16',
         'overlap_forward_powersgd1', 'overlap_forward_powersgd4']
 THEIRS = ['alone', 'ddp_fp32', 'ddp_fp16', 'ddp_powersgd1', 'ddp_powersgd4']

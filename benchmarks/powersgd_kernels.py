@@ -35,9 +35,9 @@ import chainer  # noqa: E402
 
 from chainermn_overlap import _kernels  # noqa: E402
 from chainermn_overlap import compression  # noqa: E402
-from benchmarks import launch, stats  # noqa: E402
-from benchmarks.machine import machine_description  # noqa: E402
-from benchmarks.workloads import build_model  # noqa: E402
+from benchmarks.harness import launch, stats  # noqa: E402
+from benchmarks.harness.machine import machine_description  # noqa: E402
+from benchmarks.harness.workloads import build_model  # noqa: E402
 
 PASSES = ['ef_project', 'orthogonalize', 'project_t', 'reconstruct']
 

@@ -5,7 +5,7 @@ Run (from the repository root; the speed part needs root for the bed)::
     python -m benchmarks.sharding_bench [--skip-speed] [--ranks 1 2 4]
 
 Memory (``mpiexec -n N`` on this machine, N = 1, 2, 4): the 37.7 M-parameter
-MLP of :mod:`benchmarks.workloads` with Adam, batch 8 (activations are
+MLP of :mod:`benchmarks.harness.workloads` with Adam, batch 8 (activations are
 about 1 MB: the parameters dominate).  Each rank counts with ``tracemalloc``
 (numpy's allocations, after ``gc.collect()``) everything allocated since
 before the model was built: *persistent* bytes after an update (parameters,
@@ -22,7 +22,7 @@ calibrated so that ChainerMN's blocking optimizer reaches the anchor's
 Adam (batch 512 per rank, so that a step computes for seconds) and
 ResNet-50 with MomentumSGD (batch 4 at 224 px).  One job per model runs
 one rank alone, ours unsharded and each sharding, all with
-``wait='forward'``, interleaved in rounds (:mod:`benchmarks.trainer`):
+``wait='forward'``, interleaved in rounds (:mod:`benchmarks.harness.trainer`):
 each figure is the median over rounds with its 95 % bootstrap interval,
 and each sharding's difference to the unsharded optimizer is paired by
 round.
@@ -40,8 +40,8 @@ import time
 if not __package__:
     sys.path.insert(0, os.path.abspath(os.path.join(__file__, '..', '..')))
 
-from benchmarks import launch  # noqa: E402
-from benchmarks.machine import machine_description  # noqa: E402
+from benchmarks.harness import launch  # noqa: E402
+from benchmarks.harness.machine import machine_description  # noqa: E402
 
 MODULE = 'benchmarks.sharding_bench'
 RESULT_TAG = 'SHARDING_BENCH_RESULT '
@@ -71,7 +71,7 @@ def _measure(mode, wait, comm, cfg, x, t):
     import chainer.functions as F
     import chainermn
     import chainermn_overlap
-    from benchmarks import workloads
+    from benchmarks.harness import workloads
     gc.collect()
     base = tracemalloc.get_traced_memory()[0]
     model = workloads.build_model('mlp')
@@ -119,7 +119,7 @@ def memory_worker(cfg):
     import tracemalloc
     import numpy as np
     import chainermn
-    from benchmarks import workloads
+    from benchmarks.harness import workloads
     comm = chainermn.create_communicator('naive')
     rng = np.random.RandomState(1 + comm.rank)
     x, t = workloads.synthetic_batch(rng, cfg['batch'], 32)
@@ -195,8 +195,8 @@ def run_speed(models, cfg, log):
 def speed_of(model, optimizer, cfg, log):
     """Step time and scalability of every mode of :data:`SPEED_MODES`
     for one model, on the bed at 2 ranks, calibrated link."""
-    from benchmarks import bedrun as ob
-    from benchmarks import stats
+    from benchmarks.harness import bedrun as ob
+    from benchmarks.harness import stats
     mlp = model == 'mlp'
     c = dict(cfg, model=model, optimizer=optimizer,
              insize=32 if mlp else cfg['insize'],

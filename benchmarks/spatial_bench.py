@@ -47,17 +47,15 @@ import argparse
 import json
 import os
 import platform
-import subprocess
 import sys
 import time
-import tracemalloc
 
 # Run as a file (not with -m), sys.path starts with benchmarks/ instead of
 # the repository root that holds the package: add the root.
 if not __package__:
     sys.path.insert(0, os.path.abspath(os.path.join(__file__, '..', '..')))
 
-from benchmarks import launch, stats  # noqa: E402
+from benchmarks.harness import distconv_jobs, launch, stats  # noqa
 
 RESULT_TAG = 'RESULT '
 
@@ -103,76 +101,12 @@ def _step(model, x):
     loss.backward()
 
 
-def step_memory(model, lossfun):
-    """(peak bytes during a step, bytes held after forward) by numpy.
-
-    ``lossfun()`` runs the forward and returns the loss; then backward.
-    """
-    tracemalloc.start()
-    tracemalloc.reset_peak()
-    base = tracemalloc.get_traced_memory()[0]
-    loss = lossfun()
-    held = tracemalloc.get_traced_memory()[0] - base
-    model.cleargrads()
-    loss.backward()
-    peak = tracemalloc.get_traced_memory()[1] - base
-    del loss
-    tracemalloc.stop()
-    return peak, held
-
-
-def _quiet_barrier(mpi):
-    """A barrier that sleeps instead of spinning.
-
-    MPICH spins in a blocking barrier; while rank 0 times the serial model
-    the other ranks would take the cores it needs (2 cores here).
-    """
-    req = mpi.Ibarrier()
-    while not req.Test():
-        # 2 ms: wake-ups of the waiting ranks would otherwise steal a
-        # measurable share of the 2 cores from the rank timing the serial
-        # model (3 waiting ranks at P = 4).
-        time.sleep(0.002)
-
-
-LINK_COUNTERS = ('tx_bytes', 'retrans_segs', 'tail_loss_probes',
-                 'rto_timeouts', 'qdisc_dropped')
-
-
-def _link_counters():
-    """This network namespace's counters of eth0 (shaped-link runs only).
-
-    Bytes sent, TCP retransmitted segments, of which tail-loss probes
-    (sent after a quiet period, not losses), retransmission timeouts and
-    packets dropped by the tc qdisc; read from /sys and /proc, which
-    ``ip netns exec`` shows per namespace.
-    """
-    out = {}
-    for path in ('/proc/net/snmp', '/proc/net/netstat'):
-        with open(path) as f:
-            lines = f.read().splitlines()
-        for head, vals in zip(lines[::2], lines[1::2]):
-            keys, vals = head.split(), vals.split()
-            out.update((keys[0] + k, int(v))
-                       for k, v in zip(keys[1:], vals[1:]))
-    with open('/sys/class/net/eth0/statistics/tx_bytes') as f:
-        tx = int(f.read())
-    tc = subprocess.run(['tc', '-s', 'qdisc', 'show', 'dev', 'eth0'],
-                        capture_output=True, text=True).stdout
-    dropped = sum(int(w.rstrip(',')) for a, w in zip(tc.split(),
-                                                     tc.split()[1:])
-                  if a == 'dropped')
-    return {'tx_bytes': tx, 'retrans_segs': out.get('Tcp:RetransSegs', 0),
-            'tail_loss_probes': out.get('TcpExt:TCPLossProbes', 0),
-            'rto_timeouts': out.get('TcpExt:TCPTimeouts', 0),
-            'qdisc_dropped': dropped}
-
-
 def _halo_modes(grid, dist, x_local, mpi, rounds, link=None):
     """Exposed halo time per step with the three exchange settings.
 
-    ``link``: a callable returning counters (:func:`_link_counters`), read
-    around each step; their sums over steps and ranks are reported.
+    ``link``: a callable returning counters
+    (:func:`benchmarks.harness.distconv_jobs.link_counters`), read around
+    each step; their sums over steps and ranks are reported.
     """
     import numpy as np
     from mpi4py import MPI
@@ -188,7 +122,7 @@ def _halo_modes(grid, dist, x_local, mpi, rounds, link=None):
             grid.overlap, grid.progress_pieces = overlap, pieces
             grid.stats.clear()
             c0 = link() if link else None
-            _quiet_barrier(mpi)
+            distconv_jobs.quiet_barrier(mpi)
             t0 = time.perf_counter()
             _step(dist, x_local)
             t = time.perf_counter() - t0
@@ -220,11 +154,12 @@ def _halo_modes(grid, dist, x_local, mpi, rounds, link=None):
                                                else None)}
         if link:
             tot = {k: mpi.allreduce(sum(c[k] for c in counts[name]))
-                   for k in LINK_COUNTERS}
+                   for k in distconv_jobs.LINK_COUNTERS}
             tx = mpi.allgather(float(np.median(
                 [c['tx_bytes'] for c in counts[name]])))
             out[name]['link'] = dict(
-                {k: tot[k] for k in LINK_COUNTERS if k != 'tx_bytes'},
+                {k: tot[k] for k in distconv_jobs.LINK_COUNTERS
+                 if k != 'tx_bytes'},
                 median_tx_bytes_per_step_per_rank=tx)
     return out
 
@@ -246,7 +181,7 @@ def halo_worker(args):
            'global_image': list(shape[2:]),
            'block_per_process': [b - a for a, b in box],
            'halo': _halo_modes(grid, dist, x_local, comm.mpi_comm,
-                               args.rounds, link=_link_counters)}
+                               args.rounds, link=distconv_jobs.link_counters)}
     if comm.rank == 0:
         launch.emit_result(RESULT_TAG, out)
 
@@ -267,12 +202,9 @@ def _netbed_run(args, rate):
         res = bed.run_mpi(_worker_cmd(args, 'halo'),
                           timeout=args.netbed_timeout,
                           env=launch.worker_env())
-    run = launch.find_result(res['stdout'], RESULT_TAG)
-    if res['returncode'] or run is None:
-        sys.stderr.write((res['stdout'] or '')[-3000:]
-                         + (res['stderr'] or '')[-3000:])
-        raise SystemExit('spatial_bench: the shaped-link halo run at %s '
-                         'failed (exit %s)' % (rate, res['returncode']))
+    run = distconv_jobs.job_result(
+        res, RESULT_TAG,
+        'spatial_bench: the shaped-link halo run at %s' % rate)
     for mode in run['halo'].values():
         # Seconds the shaped link needs for one step's traffic (both ranks
         # send alike): above the step's compute time, waits cannot hide.
@@ -380,16 +312,16 @@ def worker(args):
     for i in range(args.rounds):
         # The order alternates: whichever runs second in a round was
         # measured slower by a few per cent (identical kernels at P = 1).
-        _quiet_barrier(mpi)
+        distconv_jobs.quiet_barrier(mpi)
         if i % 2 == 0:
             ts = serial_steps()
-            _quiet_barrier(mpi)
+            distconv_jobs.quiet_barrier(mpi)
         t0 = time.perf_counter()
         _step(dist, x_local)
         mpi.Barrier()
         td = time.perf_counter() - t0
         if i % 2 == 1:
-            _quiet_barrier(mpi)
+            distconv_jobs.quiet_barrier(mpi)
             ts = serial_steps()
         if comm.rank == 0:
             ratios.append(ts / td)
@@ -424,11 +356,12 @@ def worker(args):
         if comm.rank == 0:
             launch.emit_result(RESULT_TAG, out)
         return
-    peak, held = step_memory(dist, lambda: dist(x_local))
+    peak, held = distconv_jobs.step_memory(dist, lambda: dist(x_local))
     peaks = mpi.gather(peak)
     helds = mpi.gather(held)
     if comm.rank == 0:
-        s_peak, s_held = step_memory(serial, lambda: serial(x_glob))
+        s_peak, s_held = distconv_jobs.step_memory(
+            serial, lambda: serial(x_glob))
         out['memory'] = {
             'serial_peak_bytes': s_peak, 'serial_held_after_forward': s_held,
             'max_peak_bytes_per_process': max(peaks),
@@ -439,16 +372,10 @@ def worker(args):
 
 
 def _run(args, n, scaling):
-    mpiexec = os.path.join(os.path.dirname(sys.executable), 'mpiexec')
-    cmd = [mpiexec, '-n', str(n)] + _worker_cmd(args, scaling)
-    res = subprocess.run(cmd, env=dict(os.environ, **launch.worker_env()),
-                         capture_output=True, text=True, cwd=launch.ROOT,
-                         timeout=1800)
-    run = launch.find_result(res.stdout, RESULT_TAG)
-    if res.returncode or run is None:
-        sys.stderr.write(res.stdout[-3000:] + res.stderr[-3000:])
-        raise SystemExit('spatial_bench: the %s-scaling run at -n %d failed'
-                         % (scaling, n))
+    res = distconv_jobs.mpiexec(n, _worker_cmd(args, scaling), 1800)
+    run = distconv_jobs.job_result(
+        res, RESULT_TAG, 'spatial_bench: the %s-scaling run at -n %d'
+        % (scaling, n))
     cores = os.cpu_count()
     run['label'] = ('oversubscribed: %d processes on %d cores' % (n, cores)
                     if n > cores else 'noisy: shared %d-core machine' % cores)

@@ -603,5 +603,7 @@ class NetBed(object):
 
 
 if __name__ == '__main__':
-    from testbed import cli
-    sys.exit(cli.main())
+    # ``python -m testbed.netbed`` is the command line of testbed.cli, run
+    # by name: cli imports this module, and this one does not import cli.
+    import runpy
+    runpy.run_module('testbed.cli', run_name='__main__')

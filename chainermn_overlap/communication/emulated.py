@@ -29,7 +29,7 @@ the link becomes free.  Use it with the optimizers by name::
 variable ``CHAINERMN_OVERLAP_EMULATION`` (``"nodes=16,bandwidth=10gbit,
 latency=25us"``).  ChainerMN's blocking optimizer does not use engines;
 the benchmarks time it by the same model with their own
-``benchmarks.anchor.EmulatedCommunicator``.
+``benchmarks.harness.anchor.EmulatedCommunicator``.
 """
 import functools
 import threading

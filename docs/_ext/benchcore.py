@@ -120,7 +120,8 @@ def scal(m, digits=3):
 
 
 def interval_text(iv, digits=3, signed=False):
-    """``+0.051 [+0.032, +0.070]`` for a :mod:`benchmarks.stats` interval."""
+    """``+0.051 [+0.032, +0.070]`` for a :mod:`benchmarks.harness.stats`
+    interval."""
     f = '%+.*f' if signed else '%.*f'
     return (f + ' [' + f + ', ' + f + ']') % (
         digits, iv['median'], digits, iv['ci'][0], digits, iv['ci'][1])

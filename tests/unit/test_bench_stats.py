@@ -7,7 +7,7 @@ import numpy as np
 
 import pytest
 
-from benchmarks import interleave, stats, trainer, turns
+from benchmarks.harness import interleave, stats, trainer, turns
 
 
 def test_interval_of_a_known_sample():
@@ -140,13 +140,13 @@ def test_unknown_trainer_modes_are_refused():
 
 
 def test_ab_refuses_what_is_not_a_revision():
-    from benchmarks import ab
+    from benchmarks.harness import ab
     with pytest.raises(ab.ABError, match='not a revision'):
         ab.resolve('no-such-branch-of-this-repository')
 
 
 def _in_git_checkout():
-    from benchmarks import launch
+    from benchmarks.harness import launch
     return subprocess.run(['git', '-C', launch.ROOT, 'rev-parse', 'HEAD'],
                           stdout=subprocess.DEVNULL,
                           stderr=subprocess.DEVNULL).returncode == 0
@@ -156,6 +156,6 @@ def _in_git_checkout():
                     reason='revisions need a git checkout (the installed-'
                     'wheel run copies the tests without one)')
 def test_ab_resolves_revisions_of_the_checkout():
-    from benchmarks import ab
+    from benchmarks.harness import ab
     assert len(ab.resolve('HEAD')['commit']) == 40
     assert ab.resolve(ab.WORKTREE)['rev'] == ab.WORKTREE

@@ -2,7 +2,7 @@
 
 import pytest
 
-from benchmarks import anchor
+from benchmarks.harness import anchor
 from benchmarks import overlap_bench as ob
 
 

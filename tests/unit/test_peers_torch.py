@@ -1,4 +1,4 @@
-"""The PyTorch peer worker (benchmarks/peers_torch.py) and its ResNets.
+"""The PyTorch peer worker (benchmarks/harness/peers_torch.py) and its ResNets.
 
 They run in the peer venv (``make peers-venv``: ``.venv-peers``, with
 torch), so each test starts that interpreter as a subprocess; without it
@@ -15,7 +15,7 @@ import sys
 
 import pytest
 
-from benchmarks import turns
+from benchmarks.harness import turns
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(
     os.path.abspath(__file__))))
@@ -66,7 +66,7 @@ def _cfg(modes, **over):
 
 
 def _worker_cmd(cfg):
-    return [PEERS_PY, '-m', 'benchmarks.peers_torch', '--worker',
+    return [PEERS_PY, '-m', 'benchmarks.harness.peers_torch', '--worker',
             json.dumps(cfg)]
 
 
@@ -96,7 +96,7 @@ def _check_result(out, modes, ranks, cfg):
 
 def test_model_sizes():
     code = ('import json\n'
-            'from benchmarks import torch_models as tm\n'
+            'from benchmarks.harness import torch_models as tm\n'
             'print(json.dumps({n: tm.size(tm.build_model(n))'
             ' for n in tm.MODELS}))\n')
     proc = subprocess.run([PEERS_PY, '-c', code], env=_env(), cwd=ROOT,
@@ -109,14 +109,14 @@ def test_model_sizes():
 
 def test_models_have_the_chainer_models_parameter_shapes():
     code = ('import json\n'
-            'from benchmarks import torch_models as tm\n'
+            'from benchmarks.harness import torch_models as tm\n'
             'print(json.dumps({n: sorted(list(p.shape) for p in '
             'tm.build_model(n).parameters()) for n in tm.MODELS}))\n')
     proc = subprocess.run([PEERS_PY, '-c', code], env=_env(), cwd=ROOT,
                           capture_output=True, text=True, timeout=TIMEOUT)
     assert proc.returncode == 0, proc.stderr
     torch_shapes = json.loads(proc.stdout.splitlines()[-1])
-    from benchmarks import workloads
+    from benchmarks.harness import workloads
     for name in ('resnet18', 'resnet50'):
         chainer_shapes = sorted(list(p.shape) for p in
                                 workloads.build_model(name).params())

@@ -3,17 +3,18 @@
 :func:`run_interleaved` starts every job at once on a :class:`NetBed`
 (each rank of each job in its namespace, pinned to its core), lets each
 warm up in turn, then gives each its rounds in the alternating order of
-:func:`benchmarks.turns.alternating`, and finally stops them.  Only one job
-computes at any time; the others wait blocked in a read.  The jobs speak
-the protocol of :mod:`benchmarks.turns` (:mod:`benchmarks.trainer`, and a
-peer framework's worker).  :func:`compare` turns two jobs' rounds into
-paired per-round comparisons with intervals.
+:func:`benchmarks.harness.turns.alternating`, and finally stops them.  Only one
+job computes at any time; the others wait blocked in a read.  The jobs speak
+the protocol of :mod:`benchmarks.harness.turns`
+(:mod:`benchmarks.harness.trainer`, and a peer framework's worker).
+:func:`compare` turns two jobs' rounds into paired per-round comparisons
+with intervals.
 """
 import os
 import tempfile
 import time
 
-from benchmarks import bedrun, stats, trainer, turns
+from benchmarks.harness import bedrun, stats, trainer, turns
 
 
 def _tail(path, n=3000):
@@ -99,7 +100,7 @@ def run_interleaved(bed, jobs, rounds, turn_timeout, log):
 
 def job_summary(answers, modes):
     """Per-mode summaries (it/s, per-round scalability with its interval)
-    of one job's rounds, as :func:`benchmarks.bedrun.run_bed` gives."""
+    of one job's rounds, as :func:`benchmarks.harness.bedrun.run_bed` gives."""
     raw = trainer.result_from_answers(answers, modes)
     summary = bedrun.summaries(raw)
     if 'alone' in summary:
@@ -118,7 +119,7 @@ def compare(summary_a, summary_b, pairs):
 
     Returns:
         dict: ``'<mode_a>/<mode_b>'`` -> ``scalability`` (B - A per round,
-        and B / A: :func:`benchmarks.stats.paired`) and ``speed`` (each
+        and B / A: :func:`benchmarks.harness.stats.paired`) and ``speed`` (each
         round's median it/s of B over A's, with its interval).
     """
     out = {}

@@ -6,9 +6,10 @@ and many times (ABAB..., the order alternating: ABBA ABBA ...).  Starting a
 fresh job for every round would pay MPI start-up, model construction and
 warm-up each time; instead every job is started once and its ranks wait,
 blocked in a read (no CPU), until the conductor gives them their turn.  So
-the revisions of an A/B comparison (:mod:`benchmarks.ab`), or our optimizer
-and a peer framework (:mod:`benchmarks.peers_bench`), run side by side,
-each with its models built and warmed up once, and never at the same time.
+the revisions of an A/B comparison (:mod:`benchmarks.harness.ab`), or our
+optimizer and a peer framework (:mod:`benchmarks.peers_bench`), run side by
+side, each with its models built and warmed up once, and never at the same
+time.
 
 The protocol (standard library only: a peer's worker, in a virtual
 environment of its own, imports this module too): the conductor makes two

@@ -2,7 +2,7 @@
 
 Run (as root, from the repository root)::
 
-    python -m benchmarks.ab --a main~3 --b WORKTREE \\
+    python -m benchmarks ab --a main~3 --b WORKTREE \\
         [--modes alone blocking overlap_forward] [--rounds 10] \\
         [--model resnet50 --batch 4 --insize 224] [--rate 740mbit]
 
@@ -10,10 +10,10 @@ Run (as root, from the repository root)::
 it is (uncommitted changes included).  Each revision's package is exported
 into a folder of its own, with its C kernels compiled there (the same
 compiler flags for both), so both are installed side by side; the
-benchmark's own code (:mod:`benchmarks.trainer`) is this checkout's for
+benchmark's own code (:mod:`benchmarks.harness.trainer`) is this checkout's for
 both, so only the library differs.  Both jobs start at once on one
-two-rank bed and take turns (:mod:`benchmarks.interleave`): warm-up, then
-``--rounds`` rounds in the order AB BA AB ..., each round every mode once
+two-rank bed and take turns (:mod:`benchmarks.harness.interleave`): warm-up,
+then ``--rounds`` rounds in the order AB BA AB ..., each round every mode once
 (one untimed, then ``--iterations`` timed updates), with models kept for
 the whole job.  The link is ``--rate``, or calibrated first so that
 ChainerMN's blocking optimizer lands at the anchor's 0.667 (as
@@ -37,10 +37,11 @@ import tempfile
 import time
 
 if not __package__:
-    sys.path.insert(0, os.path.abspath(os.path.join(__file__, '..', '..')))
+    sys.path.insert(0, os.path.abspath(os.path.join(__file__, *['..'] * 3)))
 
-from benchmarks import bedrun, interleave, launch, stats, trainer  # noqa
-from benchmarks.machine import machine_description  # noqa: E402
+from benchmarks.harness import (  # noqa: E402
+    bedrun, interleave, launch, stats, trainer)
+from benchmarks.harness.machine import machine_description  # noqa: E402
 from testbed import netbed  # noqa: E402
 
 PACKAGE = 'chainermn_overlap'
@@ -49,7 +50,7 @@ WORKTREE = 'WORKTREE'
 # package wins over the checkout's; the benchmarks come from the checkout
 # (PYTHONPATH), which the exported folder does not hold.
 BOOT = ('import runpy, sys; sys.path.insert(0, sys.argv.pop(1)); '
-        'runpy.run_module("benchmarks.trainer", run_name="__main__")')
+        'runpy.run_module("benchmarks.harness.trainer", run_name="__main__")')
 BUILD = '''\
 from setuptools import Extension, setup
 setup(name='ab_kernels', ext_modules=[Extension(

@@ -1,21 +1,22 @@
 """The peer benchmark's PyTorch worker: DDP trains ResNets, timed in rounds.
 
-The counterpart of :mod:`benchmarks.trainer` for PyTorch's
+The counterpart of :mod:`benchmarks.harness.trainer` for PyTorch's
 ``DistributedDataParallel`` (DDP), so that our optimizer and DDP are
 measured on the same test bed, in turns.  It runs in a virtual environment
 of its own (``make peers-venv``: ``.venv-peers``, with torch's CPU wheel)
 and imports neither chainer nor mpi4py nor the package: only torch,
-:mod:`benchmarks.torch_models` and :mod:`benchmarks.turns`.  An MPI process
-manager (MPICH's ``mpiexec``) starts one process per rank; the ranks talk
-through ``torch.distributed``'s gloo backend, not MPI.  Every rank runs::
+:mod:`benchmarks.harness.torch_models` and :mod:`benchmarks.harness.turns`.  An
+MPI process manager (MPICH's ``mpiexec``) starts one process per rank; the
+ranks talk through ``torch.distributed``'s gloo backend, not MPI.  Every rank
+runs::
 
     PYTHONPATH=<repository root> .venv-peers/bin/python \\
-        -m benchmarks.peers_torch --worker CFG
+        -m benchmarks.harness.peers_torch --worker CFG
 
 ``CFG`` is a JSON object:
 
-* ``model``: ``'resnet50'`` or ``'resnet18'`` (:mod:`benchmarks.torch_models`,
-  the twins of our Chainer models);
+* ``model``: ``'resnet50'`` or ``'resnet18'``
+  (:mod:`benchmarks.harness.torch_models`, the twins of our Chainer models);
 * ``batch``: images per rank; ``insize``: their side in pixels;
 * ``modes``: a list of :data:`MODES` (below);
 * ``warmup``: untimed updates of each mode before the first round (at
@@ -70,10 +71,10 @@ other workers report theirs).  Before each mode's stretch the ranks meet
 at a barrier; the modes run in the order of ``modes`` in even rounds and
 reversed in odd ones.
 
-Started by a conductor (``CMO_TURNS`` set, :mod:`benchmarks.turns`), the
-job takes its warm-up and rounds when told to, and answers as
-:mod:`benchmarks.trainer` does (plus ``param_checksums``, each mode's sum
-of parameters: equal on all ranks while DDP keeps them in step).
+Started by a conductor (``CMO_TURNS`` set, :mod:`benchmarks.harness.turns`),
+the job takes its warm-up and rounds when told to, and answers as
+:mod:`benchmarks.harness.trainer` does (plus ``param_checksums``, each mode's
+sum of parameters: equal on all ranks while DDP keeps them in step).
 Otherwise it warms up, runs its rounds, and rank 0 prints one line
 ``TRAINER_RESULT {json}``: for each mode ``round_seconds`` (rank 0's),
 ``round_seconds_by_rank``, ``tail_seconds``, ``communication_stats``
@@ -81,7 +82,7 @@ Otherwise it warms up, runs its rounds, and rank 0 prints one line
 float64) and ``param_checksum_by_rank``.  For example, at one process::
 
     PYTHONPATH=. OMP_NUM_THREADS=1 .venv-peers/bin/python \\
-        -m benchmarks.peers_torch --worker '{"model": "resnet18",
+        -m benchmarks.harness.peers_torch --worker '{"model": "resnet18",
         "batch": 2, "insize": 32, "modes": ["alone"], "warmup": 1,
         "iterations": 2, "rounds": 2, "master_addr": "127.0.0.1",
         "master_port": 29511}'
@@ -89,8 +90,8 @@ float64) and ``param_checksum_by_rank``.  For example, at one process::
 and at two, every mode::
 
     .venv/bin/mpiexec -n 2 env PYTHONPATH=. OMP_NUM_THREADS=1 \\
-        .venv-peers/bin/python -m benchmarks.peers_torch --worker '{...,
-        "modes": ["alone", "ddp_fp32", "ddp_fp16", "ddp_powersgd1",
+        .venv-peers/bin/python -m benchmarks.harness.peers_torch --worker
+        '{..., "modes": ["alone", "ddp_fp32", "ddp_fp16", "ddp_powersgd1",
         "ddp_powersgd4"], "warmup": 2, ...}'
 
 This module imports torch only inside its functions, so that the
@@ -101,9 +102,9 @@ import os
 import sys
 import time
 
-from benchmarks import turns
+from benchmarks.harness import turns
 
-MODULE = 'benchmarks.peers_torch'
+MODULE = 'benchmarks.harness.peers_torch'
 RESULT_TAG = 'TRAINER_RESULT '
 WORKER_FLAG = '--worker'
 MODES = ('alone', 'ddp_fp32', 'ddp_fp16', 'ddp_powersgd1', 'ddp_powersgd4')
@@ -221,7 +222,7 @@ class ModeRunner(object):
 
     def __init__(self, mode, cfg, x, t, distributed):
         import torch
-        from benchmarks import torch_models
+        from benchmarks.harness import torch_models
         self.mode = mode
         self.distributed = distributed
         # The same seed on every rank (DDP would broadcast rank 0's

@@ -1,6 +1,6 @@
 """ResNet-18 and ResNet-50 in PyTorch, the twins of the Chainer models.
 
-The peer benchmark (:mod:`benchmarks.peers_torch`) trains these with
+The peer benchmark (:mod:`benchmarks.harness.peers_torch`) trains these with
 PyTorch DDP beside our optimizer training
 ``examples/imagenet/models/resnet50.py`` and ``resnet18.py``; a fair
 comparison needs the same network on both sides, so these mirror them
@@ -13,7 +13,7 @@ gamma 1, beta 0 and Chainer's epsilon 2e-5).
 Plain ``torch.nn`` (torchvision does not import beside the CPU torch wheel
 the peer venv uses).  Standing alone, it prints both models' sizes::
 
-    PYTHONPATH=. .venv-peers/bin/python -m benchmarks.torch_models
+    PYTHONPATH=. .venv-peers/bin/python -m benchmarks.harness.torch_models
 """
 import math
 

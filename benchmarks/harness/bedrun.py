@@ -2,20 +2,20 @@
 
 Shared by the benchmarks that time training modes on two ranks joined by a
 shaped link (``overlap_bench``, ``compression_bench``, ``sharding_bench``,
-``ab``, ``peers_bench``).  A job is :mod:`benchmarks.trainer`'s worker;
+``ab``, ``peers_bench``).  A job is :mod:`benchmarks.harness.trainer`'s worker;
 its result gives, per mode, the iteration times of every round.  From them:
 
 * ``it_per_s_median``: 1 / the median of all timed iterations;
 * ``scalability``: the median over rounds of that round's scalability
   (median iteration time alone, of the slower rank, / median time of the
   mode, both in the same round), with its 95 % bootstrap interval
-  ``scalability_ci`` (:mod:`benchmarks.stats`).
+  ``scalability_ci`` (:mod:`benchmarks.harness.stats`).
 """
 import os
 import statistics
 import tempfile
 
-from benchmarks import launch, stats, trainer
+from benchmarks.harness import launch, stats, trainer
 from testbed import netbed
 
 # The anchor's regime: blocking reaches 66.72 % (ResNet-50, 16 nodes,
@@ -151,7 +151,7 @@ def measure_alone(cfg, iterations=3, warmup=1):
 
 
 def gradient_bytes(model_name):
-    from benchmarks import workloads
+    from benchmarks.harness import workloads
     model = workloads.build_model(model_name)
     return sum(p.array.nbytes for p in model.params())
 

@@ -1,8 +1,8 @@
 """The optimizer benchmarks' worker: trains each mode, timed, in rounds.
 
 Every rank of a benchmark job runs :func:`worker` (``python -m
-benchmarks.trainer --worker CFG``).  For each mode of ``cfg['modes']`` it
-builds one model (the same seed everywhere) and one optimizer, warms them up
+benchmarks.harness.trainer --worker CFG``).  For each mode of ``cfg['modes']``
+it builds one model (the same seed everywhere) and one optimizer, warms them up
 (``cfg['warmup']`` updates), and keeps them for the whole job.  Then, in
 each of ``cfg['rounds']`` rounds, every mode in turn runs
 ``cfg['settle']`` untimed updates (the machine switches from another
@@ -22,18 +22,18 @@ Modes:
 * ``overlap_forward_<variant>`` (or ``overlap_update_<variant>``): ours
   with a wire format, compression or sharding of :data:`WIRE_OPTIONS`.
 
-Started by a conductor (:mod:`benchmarks.turns`), the job takes its rounds
-when told to, so that another job (another revision, a peer framework) runs
-its rounds in between; otherwise it runs its rounds by itself and rank 0
+Started by a conductor (:mod:`benchmarks.harness.turns`), the job takes its
+rounds when told to, so that another job (another revision, a peer framework)
+runs its rounds in between; otherwise it runs its rounds by itself and rank 0
 prints the result line.
 """
 import os
 import sys
 import time
 
-from benchmarks import launch, turns
+from benchmarks.harness import launch, turns
 
-MODULE = 'benchmarks.trainer'
+MODULE = 'benchmarks.harness.trainer'
 RESULT_TAG = 'TRAINER_RESULT '
 STAT_KEYS = ('buckets', 'bytes', 'comm_seconds', 'wait_seconds',
              'compression_seconds')
@@ -90,7 +90,7 @@ def make_optimizer(mode, comm, cfg):
     """The optimizer of ``mode`` (see the module docstring)."""
     import chainermn
     import chainermn_overlap
-    from benchmarks import anchor
+    from benchmarks.harness import anchor
     from chainermn_overlap.communication import emulated
     actual = actual_optimizer(cfg)
     emu = cfg.get('emulation')
@@ -156,7 +156,7 @@ class ModeRunner(object):
 
     def __init__(self, mode, comm, cfg, x, t):
         import chainer.functions as F
-        from benchmarks import workloads
+        from benchmarks.harness import workloads
         self.mode = mode
         self.comm = comm
         self.model = workloads.build_model(cfg['model'])
@@ -210,7 +210,7 @@ class Job(object):
     def __init__(self, cfg):
         import numpy as np
         import chainermn
-        from benchmarks import workloads
+        from benchmarks.harness import workloads
         self.cfg = cfg
         self.comm = chainermn.create_communicator('naive')
         rng = np.random.RandomState(1 + self.comm.rank)
@@ -337,8 +337,8 @@ def result_from_answers(answers, modes):
 
 def main(argv=None):
     if not launch.dispatch_worker(argv, worker):
-        sys.stderr.write('benchmarks.trainer is started by the benchmarks '
-                         '(python -m benchmarks.overlap_bench, ...)\n')
+        sys.stderr.write('benchmarks.harness.trainer is started by the '
+                         'benchmarks (python -m benchmarks overlap, ...)\n')
         return 2
     return 0
 
