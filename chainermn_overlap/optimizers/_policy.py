@@ -15,6 +15,7 @@ import warnings
 from chainer import optimizer as optimizer_module
 
 from chainermn_overlap.errors import FallbackWarning
+from chainermn_overlap.optimizers import _clipping
 
 
 def fallback_reason(actual):
@@ -75,10 +76,14 @@ class UpdatePolicy(object):
         wait (str): ``'forward'`` or ``'update'``.
         reducer (BucketReducer): waits for buckets and reads mean gradients.
         timeline: the optimizer's timeline (a ``NullTimeline`` if off).
+        mpi_comm: the optimizer's communicator (the norm of
+            ``GradientClipping`` over distconv's channel blocks,
+            :mod:`._clipping`).
     """
 
-    def __init__(self, actual, wait, reducer, timeline):
+    def __init__(self, actual, wait, reducer, timeline, mpi_comm=None):
         self.actual = actual
+        self.mpi_comm = mpi_comm
         self.wait = wait
         self.reducer = reducer
         self.timeline = timeline
@@ -116,7 +121,7 @@ class UpdatePolicy(object):
                     'Results are exact, but communication overlaps only '
                     'with backward.'.format(fallback), FallbackWarning,
                     stacklevel=5)
-            self.complete_in_update()
+            self.complete_in_update(immediate)
         else:
             self._defer(target)
             self._update_now(immediate)
@@ -140,10 +145,16 @@ class UpdatePolicy(object):
         and its result stays for ``update()``."""
         bucket.handle.wait()
 
-    def complete_in_update(self):
-        """ChainerMN semantics: mean gradients in param.grad, then update."""
+    def complete_in_update(self, immediate=()):
+        """ChainerMN semantics: mean gradients in param.grad, then update
+        (every parameter, the channel blocks ``immediate`` too)."""
         self.reducer.mean_grads_to_params(self.infos)
-        self.actual.update()
+        with _clipping.across_groups(self.actual, self.mpi_comm,
+                                     self._wait_requests):
+            self.actual.update()
+
+    def _wait_requests(self, requests, label):
+        self.reducer.engine.watchdog.wait_requests(requests, label)
 
     def _defer(self, target):
         actual = self.actual

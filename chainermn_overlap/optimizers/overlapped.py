@@ -104,7 +104,7 @@ class _OverlapState(object):
             before_first_post=self._post_control, operation=operation)
         if shard is None:
             self.policy = UpdatePolicy(actual, wait, self.reducer,
-                                       self.timeline)
+                                       self.timeline, self.mpi_comm)
         else:
             self.reducer.items_per_bucket = 2
             cls = (sharding_params.ParameterShardedPolicy
@@ -301,7 +301,7 @@ class _OverlapState(object):
             self.reducer.pack(info, info.param.grad)
         self.reducer.try_post(self.tracker.iteration)
         self._reduce_groups()
-        self.policy.complete_in_update()
+        self.policy.complete_in_update(self._grouped_params())
         self.reducer.operation.step_done()
         self._next_iteration()
 

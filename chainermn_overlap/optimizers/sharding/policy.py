@@ -40,6 +40,7 @@ import chainer
 
 from chainermn_overlap.communication import watchdog
 from chainermn_overlap.errors import CollectiveMismatchError
+from chainermn_overlap.optimizers import _clipping
 from chainermn_overlap.optimizers import _layout
 from chainermn_overlap.optimizers.sharding import collectives
 from chainermn_overlap.optimizers.sharding import layout as shard_layout
@@ -363,14 +364,16 @@ class ShardedPolicy(object):
             for p in params:
                 p.grad = None
         if snap.global_pre:
-            self._run_pre_hooks(snap)
+            self._run_pre_hooks(snap, immediate)
         self._post_updates(snap)
         for param in immediate:
             # Reduced within their group and never sharded (distconv's
-            # channel blocks): updated whole, now.
+            # channel blocks): updated whole, now (GradientClipping took
+            # them into its norm and rate above).
             shadow = param.update_rule
             for hook in snap.pre:
-                hook(shadow, param)
+                if not isinstance(hook, rules.GLOBAL_HOOKS):
+                    hook(shadow, param)
             param.update()
             for hook in snap.post:
                 hook(shadow, param)
@@ -381,11 +384,12 @@ class ShardedPolicy(object):
                 info.pending = True
             self.pending_count = len(self.infos)
 
-    def complete_in_update(self):
-        """``update()`` of a rebuilt layout: post and wait for every B."""
+    def complete_in_update(self, immediate=()):
+        """``update()`` of a rebuilt layout: post and wait for every B
+        (``immediate``: the channel blocks, updated whole)."""
         wait, self.wait = self.wait, 'update'
         try:
-            self.finish_iteration(self.actual.target)
+            self.finish_iteration(self.actual.target, immediate)
         finally:
             self.wait = wait
 
@@ -398,9 +402,10 @@ class ShardedPolicy(object):
         for bucket in self.buckets:
             self._wait(bucket)
 
-    def _run_pre_hooks(self, snap):
+    def _run_pre_hooks(self, snap, immediate=()):
         """Pre-update hooks on the main thread, once every shard is in
-        (a hook needs all gradients: GradientClipping)."""
+        (a hook needs all gradients: GradientClipping, whose norm counts
+        the channel blocks ``immediate`` too)."""
         for bucket in self.buckets:
             self.reducer.wait_bucket(bucket)
         pairs = []
@@ -412,31 +417,31 @@ class ShardedPolicy(object):
                         bucket, self._values(bucket))))
         for hook in snap.pre:
             if isinstance(hook, rules.GLOBAL_HOOKS):
-                self._clip(hook, [proxy for _, proxy in pairs])
+                self._clip(hook, [proxy for _, proxy in pairs], immediate)
             else:
                 for shadow, proxy in pairs:
                     hook(shadow, proxy)
         snap.pre_done = True
 
-    def _clip(self, hook, proxies):
-        """``GradientClipping`` with the norm of the whole gradient."""
+    def _clip(self, hook, proxies, immediate=()):
+        """``GradientClipping`` with the norm of the whole gradient: the
+        shards' (each element on one rank) and the channel blocks' (each
+        block on the members of its group, :mod:`.._clipping`)."""
         from mpi4py import MPI
-        local = numpy.zeros(1, dtype=numpy.float64)
-        for proxy in proxies:
-            g = proxy.grad.ravel()
-            local += float(g.dot(g))
+        local = numpy.array([_clipping.sqnorm(p.grad for p in proxies)
+                             + _clipping.blocks_sqnorm(immediate)])
         self.wait_requests(
             [self.mpi_comm.Iallreduce(MPI.IN_PLACE, local, op=MPI.SUM)],
             'the allreduce of the gradient norm for GradientClipping of '
             'iteration {}'.format(self.iteration()))
-        if not proxies:
+        grads = [p.grad for p in proxies] + [p.grad for p in immediate]
+        if not grads:
             return
-        dtype = proxies[0].grad.dtype
-        rate = dtype.type(hook.threshold) / numpy.sqrt(dtype.type(local[0]))
-        if rate >= 1:
+        rate = _clipping.rate(hook.threshold, local[0], grads[0].dtype)
+        if rate is None:
             return
-        for proxy in proxies:
-            proxy.grad *= rate
+        for g in grads:
+            g *= rate
 
     def _post_updates(self, snap, offset=0):
         """Posts B of every bucket whose B is not posted yet."""

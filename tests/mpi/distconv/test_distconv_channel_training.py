@@ -110,7 +110,8 @@ def _reduce_by_descriptor(model, size):
         p.grad[...] = out
 
 
-def _train(g, steps, make_dist_opt, reduce_by_hand=False, flush=False):
+def _train(g, steps, make_dist_opt, reduce_by_hand=False, flush=False,
+           make_hook=None, synchronize=False):
     n = 4 * g.n_groups
     x, t = _data(n)
     serial = Net()
@@ -119,6 +120,10 @@ def _train(g, steps, make_dist_opt, reduce_by_hand=False, flush=False):
     opt_s.setup(serial)
     opt_d = make_dist_opt(chainer.optimizers.MomentumSGD(lr=0.1))
     opt_d.setup(dist)
+    for opt in (opt_s, opt_d) if make_hook is not None else ():
+        hooks = make_hook()
+        for hook in hooks if isinstance(hooks, list) else [hooks]:
+            opt.add_hook(hook)
     if not reduce_by_hand:
         opt_d.update()  # the data-parallel optimizers' first, broadcast step
     x_local = g.scatter(x)
@@ -136,6 +141,8 @@ def _train(g, steps, make_dist_opt, reduce_by_hand=False, flush=False):
     if flush:
         with chainer.using_config('train', False):
             dist(x_local)
+    if synchronize:
+        opt_d.synchronize()   # shard='parameters': the parameters whole
     back = Net()
     distconv.store_serial_params(g, dist, back)
     sp = dict(serial.namedparams())
@@ -219,3 +226,65 @@ def test_channel_allreduce_adjoint(gc):
     # Negative control: it really moves data when the axis is longer.
     if g.channels > 1:
         assert not np.allclose(ax, x)
+
+
+# A threshold below the gradient's norm on every step of _train's data, so
+# that every step clips (test_gradient_clipping_threshold_really_clips).
+_CLIP = 0.05
+
+
+def _clipping():
+    return chainer.optimizer_hooks.GradientClipping(_CLIP)
+
+
+@pytest.mark.parametrize('shard', [None, 'optimizer', 'gradients',
+                                   'parameters'])
+@pytest.mark.parametrize('wait', ['update', 'forward'])
+@pytest.mark.parametrize('gc', [((1, 1), 2), ((2, 1), 2), ((1, 1), 3)],
+                         ids=_ids)
+def test_gradient_clipping_takes_the_whole_models_norm(gc, wait, shard):
+    """GradientClipping clips with the norm of the single-process gradient:
+    a channel block counted once (not once per member of its group, nor
+    left out), every rank with the same rate."""
+    g = cgrid(*gc)
+    from chainermn_overlap import create_overlapped_optimizer
+
+    def make(opt):
+        return create_overlapped_optimizer(opt, comm(), wait=wait,
+                                           shard=shard)
+    _train(g, 2, make, flush=(wait == 'forward'), make_hook=_clipping,
+           synchronize=(shard == 'parameters'))
+
+
+def _per_param_hooks():
+    return [chainer.optimizer_hooks.WeightDecay(1e-2),
+            chainer.optimizer_hooks.GradientHardClipping(-3e-3, 3e-3)]
+
+
+@pytest.mark.parametrize('shard', [None, 'optimizer', 'gradients',
+                                   'parameters'])
+@pytest.mark.parametrize('gc', [((1, 1), 2), ((2, 1), 2)], ids=_ids)
+def test_per_parameter_hooks_on_channel_blocks(gc, shard):
+    """Per-parameter hooks (weight decay, hard clipping) run on the channel
+    blocks too, as on the single-process model's parameters."""
+    g = cgrid(*gc)
+    from chainermn_overlap import create_overlapped_optimizer
+
+    def make(opt):
+        return create_overlapped_optimizer(opt, comm(), shard=shard)
+    # wait='forward' (the default): a forward applies the last update.
+    _train(g, 2, make, flush=True, make_hook=_per_param_hooks,
+           synchronize=(shard == 'parameters'))
+
+
+def test_gradient_clipping_threshold_really_clips():
+    """Negative control of the test above: with its threshold the serial
+    model's gradient norm is well above it, so the hook changes every
+    step."""
+    x, t = _data(4)
+    serial = Net()
+    serial.cleargrads()
+    F.softmax_cross_entropy(serial(x), t).backward()
+    norm = np.sqrt(sum(float((p.grad.astype(np.float64) ** 2).sum())
+                       for p in serial.params()))
+    assert norm > 4 * _CLIP
