@@ -27,11 +27,13 @@ backward: the rules' hyperparameters and the optimizer hooks are frozen at
 the first bucket (:class:`.rules.Snapshot`) and checked at ``update()``,
 and B runs only if the round's control message (item 0, run before any B)
 found the layout unchanged; otherwise B does nothing and ``update()``
-rebuilds the layout as without sharding.  ``GradientClipping`` needs every
-shard first: with it, every B is posted at ``update()``.  On a bed whose
-link is the bottleneck and whose ranks have one core each, posting in
-backward was slower: B holds the one communication thread while later
-reductions wait behind it, and backward stops in the throttle
+rebuilds the layout as without sharding.  ``GradientClipping`` and dynamic
+loss scaling need every shard first: with either, every B is posted at
+``update()`` (with dynamic loss scaling, after the one allreduce of an
+overflow flag that decides whether the step is skipped: :mod:`.scaling`).
+On a bed whose link is the bottleneck and whose ranks have one core each,
+posting in backward was slower: B holds the one communication thread while
+later reductions wait behind it, and backward stops in the throttle
 (:meth:`ShardedPolicy.throttle`) for longer.
 """
 import numpy
@@ -45,6 +47,7 @@ from chainermn_overlap.optimizers import _layout
 from chainermn_overlap.optimizers.sharding import collectives
 from chainermn_overlap.optimizers.sharding import layout as shard_layout
 from chainermn_overlap.optimizers.sharding import rules
+from chainermn_overlap.optimizers.sharding import scaling
 from chainermn_overlap.optimizers.sharding import state as sharding_state
 from chainermn_overlap.optimizers.sharding import writers
 
@@ -141,6 +144,8 @@ class _Piece(object):
         if bucket.shard_grad is not None:
             proxy.grad = bucket.shard_grad[self.at:self.at + self.hi
                                            - self.lo]
+        # Set by backward where the gradient reaches param (shard=
+        # 'optimizer'); otherwise the snapshot sets the step's (.rules).
         proxy._loss_scale = param._loss_scale
         return proxy
 
@@ -327,8 +332,9 @@ class ShardedPolicy(object):
                 return
             self._check()
             self.cut_states()
-            snap = rules.Snapshot(self.actual, [i.param for i in self.infos])
-            self.snap = False if snap.global_pre else snap
+            snap = rules.Snapshot(self.actual, [i.param for i in self.infos],
+                                  self.release_grads)
+            self.snap = False if snap.global_pre or snap.dynamic else snap
         if self.snap:
             self._post_update(bucket, self.snap, self.control())
 
@@ -353,13 +359,19 @@ class ShardedPolicy(object):
             self._check()
             # States first: the snapshot's rule copies share them.
             self.cut_states()
-            snap = rules.Snapshot(actual, params)
-        snap.commit()
+            snap = rules.Snapshot(actual, params, self.release_grads)
+        # Dynamic loss scaling: a step that overflows on any rank is skipped
+        # on every rank, as GradientMethod.update does (.scaling).
+        skip = scaling.overflowed(self, immediate)
         actual.t += 1
-        in_layout = {id(p) for p in params}
-        for p in target.params():
-            if id(p) not in in_layout and p.array is None:
-                p.update()
+        if skip:
+            snap, immediate = scaling.SKIPPED, ()
+        else:
+            snap.commit()
+            in_layout = {id(p) for p in params}
+            for p in target.params():
+                if id(p) not in in_layout and p.array is None:
+                    p.update()
         if self.release_grads:
             for p in params:
                 p.grad = None
@@ -377,6 +389,7 @@ class ShardedPolicy(object):
             param.update()
             for hook in snap.post:
                 hook(shadow, param)
+        actual.update_loss_scale()
         if self.wait == 'update':
             self.apply(self.infos)
         else:
@@ -474,7 +487,7 @@ class ShardedPolicy(object):
         pieces = self.pieces[bucket.index]
 
         def update_and_allgather(comm, _):
-            if snap is None:
+            if snap is None or snap.skipped:
                 bucket.shard_grad = None
                 for piece in pieces:
                     piece.proxy.grad = None

@@ -24,7 +24,8 @@ a hyperparameter or hook changed in between raises an error instead of
 updating some shards with the old values.  ``GradientClipping`` needs the
 norm of every gradient: it is computed from the shards (one small
 allreduce) on the main thread once every shard is reduced, and the
-pre-update hooks then run there.
+pre-update hooks then run there.  Dynamic loss scaling is checked from
+the shards too (:mod:`.scaling`).
 """
 import copy
 
@@ -136,11 +137,6 @@ def check_optimizer(actual, params, unit, rank):
         raise ValueError(
             '{} overrides update(), which shard= cannot run on shards (rank '
             '{}); use shard=None.'.format(type(actual).__name__, rank))
-    if actual._loss_scaling_is_dynamic:
-        raise ValueError(
-            'dynamic loss scaling checks every gradient at once, which '
-            'shard= does not hold (rank {}); use a static loss scale or '
-            'shard=None.'.format(rank))
     pre, post = _hooks(actual._hookable)
     for hook in pre + post:
         name = type(hook).__name__
@@ -212,11 +208,26 @@ class Snapshot(object):
     Args:
         actual: the wrapped optimizer.
         params: the sharded parameters.
+        scale_from_optimizer (bool): the rules unscale the gradients by the
+            optimizer's loss scale now (made in this iteration, after or
+            during its backward: the scale that ``update(lossfun)`` passes
+            to backward, as a loop does with ``loss.backward(loss_scale=
+            optimizer._loss_scale)``), not by ``param._loss_scale``.  For
+            ``shard='gradients'`` and ``'parameters'``: no gradient reaches
+            the parameter, so Chainer's backward does not set its scale.
     """
 
-    def __init__(self, actual, params):
+    # A step that runs (see .scaling.SkippedStep for one that does not).
+    skipped = False
+
+    def __init__(self, actual, params, scale_from_optimizer=False):
         pre, post = _hooks(actual._hookable)
+        self.scale_from_optimizer = scale_from_optimizer
+        self.loss_scale = actual._loss_scale
         self.global_pre = any(isinstance(h, GLOBAL_HOOKS) for h in pre)
+        # Dynamic loss scaling: the step may be skipped, which is known
+        # once every shard is reduced (.scaling).
+        self.dynamic = bool(actual._loss_scaling_is_dynamic)
         self.pre = pre
         self.post = post
         # Set once the pre-update hooks ran on the main thread (a global
@@ -257,6 +268,8 @@ class Snapshot(object):
         if [id(h) for h in pre] != [id(h) for h in self.pre] or \
                 [id(h) for h in post] != [id(h) for h in self.post]:
             return 'the optimizer hooks'
+        if bool(actual._loss_scaling_is_dynamic) != self.dynamic:
+            return 'the loss scaling (dynamic or not)'
         enabled = {id(p) for p in params if p.update_rule is not None
                    and p.update_rule.enabled}
         if enabled != set(self.rules):
@@ -299,6 +312,10 @@ class Snapshot(object):
         if not self.pre_done:
             for hook in self.pre:
                 hook(shadow, proxy)
+        if self.scale_from_optimizer and self.loss_scale is not None:
+            # (Without one set on the optimizer, a loop's own
+            # backward(loss_scale=...) set param._loss_scale, a constant.)
+            proxy._loss_scale = self.loss_scale
         shadow.update(proxy)
         for hook in self.post:
             hook(shadow, proxy)
