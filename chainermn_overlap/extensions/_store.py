@@ -103,14 +103,17 @@ class SnapshotStore(object):
             manifest = json.loads(f.read().decode('utf-8'))
         if (manifest.get('iteration') != iteration
                 or not isinstance(manifest.get('files'), list)
-                or len(manifest['files']) != manifest.get('size')):
+                or len(manifest['files']) != manifest.get('size')
+                or any(not isinstance(f, dict)
+                       or f.get('name') != RANK_FILE.format(r)
+                       for r, f in enumerate(manifest['files']))):
             raise ValueError('inconsistent manifest')
         return manifest
 
-    def check(self, iteration, source_rank):
-        """(ok, why) for the file a rank would load from ``iteration``.
+    def check(self, iteration, source_ranks):
+        """(ok, why) for the files a rank would load from ``iteration``.
 
-        ``source_rank(manifest)`` names the rank whose file it loads.
+        ``source_ranks(manifest)`` names the ranks whose files it reads.
         """
         try:
             manifest = self.read_manifest(iteration)
@@ -119,23 +122,26 @@ class SnapshotStore(object):
                 'writing it)'
         except (OSError, ValueError, UnicodeDecodeError) as e:
             return False, 'unreadable manifest ({})'.format(e)
-        entry = manifest['files'][source_rank(manifest)]
-        path = os.path.join(self.folder(iteration), entry['name'])
-        try:
-            digest, n = sha256(path)
-        except OSError as e:
-            return False, 'cannot read {} ({})'.format(entry['name'], e)
-        if n != entry['bytes'] or digest != entry['sha256']:
-            return False, ('corrupt: {} has {} bytes and sha256 {}..., the '
-                           'manifest says {} bytes and {}...'.format(
-                               entry['name'], n, digest[:12], entry['bytes'],
-                               entry['sha256'][:12]))
+        for rank in source_ranks(manifest):
+            entry = manifest['files'][rank]
+            path = os.path.join(self.folder(iteration), entry['name'])
+            try:
+                digest, n = sha256(path)
+            except OSError as e:
+                return False, 'cannot read {} ({})'.format(entry['name'], e)
+            if n != entry['bytes'] or digest != entry['sha256']:
+                return False, ('corrupt: {} has {} bytes and sha256 {}..., '
+                               'the manifest says {} bytes and {}...'.format(
+                                   entry['name'], n, digest[:12],
+                                   entry['bytes'], entry['sha256'][:12]))
         return True, ''
 
     def write_manifest(self, iteration, size, results):
         """Writes the manifest of ``iteration`` from every rank's result."""
         manifest = {'iteration': iteration, 'size': size,
                     'time': time.time(),
+                    # Slices of sharded optimizers in the rank files.
+                    'sharded': any(r.get('sharded') for r in results),
                     'files': [{k: r[k] for k in ('name', 'sha256', 'bytes')}
                               for r in results]}
         write_durably(

@@ -91,6 +91,7 @@ from chainer.training import trigger as trigger_module
 from chainermn_overlap import config
 from chainermn_overlap.extensions import _store
 from chainermn_overlap.extensions._timed import TimedCollectives
+from chainermn_overlap.optimizers.sharding import shards
 from chainermn_overlap.extensions._store import (
     RANK_FILE, random_state_arrays, random_states, set_random_state,
     write_durably)
@@ -118,6 +119,31 @@ _ITERATOR_PREFIX = 'updater/iterator:'
 
 class SnapshotWarning(UserWarning):
     """A snapshot was skipped (incomplete or corrupt) or could not be used."""
+
+
+def _needs_whole(data, trainer, same_size):
+    """Whether ``data`` holds slices (a sharded snapshot) that this job
+    cannot read as they are: another rank count, or an optimizer that is
+    not sharded now."""
+    prefixes = {k[:-len(shards.RANGES_KEY)] for k in data
+                if k.endswith('/' + shards.RANGES_KEY)}
+    if not prefixes:
+        return False
+    if not same_size:
+        return True
+    sharded = {'updater/optimizer:{}/'.format(name)
+               for name, opt in trainer.updater.get_all_optimizers().items()
+               if shards.policy_of(opt) is not None}
+    return not prefixes <= sharded
+
+
+def _assemble(data, paths):
+    files = [numpy.load(p, allow_pickle=False) for p in paths]
+    try:
+        shards.assemble(data, files)
+    finally:
+        for f in files:
+            f.close()
 
 
 # ----------------------------------------------------------------------------
@@ -181,7 +207,7 @@ class AutoSnapshot(extension_module.Extension):
         chosen = None
         skipped = []
         for it in sorted(candidates, reverse=True):
-            ok, why = self.store.check(it, self._source_rank)
+            ok, why = self.store.check(it, self._checked_ranks)
             verdicts = self.coll.allgather_json(
                 [ok, why], "every rank's check of the snapshot of iteration "
                 '{}'.format(it))
@@ -233,6 +259,15 @@ class AutoSnapshot(extension_module.Extension):
                     '%s', self.rank, chosen, self.directory)
         self._event('resumed', iteration=chosen, resize=self.stoppable)
 
+    def _checked_ranks(self, manifest):
+        # The file loaded; at another rank count a sharded snapshot is
+        # read from every file: each rank checks its share of them.
+        ranks = [self._source_rank(manifest)]
+        if manifest['size'] != self.size and manifest.get('sharded'):
+            ranks += [r for r in range(1, manifest['size'])
+                      if r % self.size == self.rank]
+        return ranks
+
     def _source_rank(self, manifest):
         return self.rank if manifest['size'] == self.size else 0
 
@@ -240,10 +275,15 @@ class AutoSnapshot(extension_module.Extension):
         manifest = self.store.read_manifest(iteration)
         src = self._source_rank(manifest)
         same_size = manifest['size'] == self.size
-        path = os.path.join(self.store.folder(iteration),
-                            manifest['files'][src]['name'])
+        folder = self.store.folder(iteration)
+        path = os.path.join(folder, manifest['files'][src]['name'])
         with numpy.load(path, allow_pickle=False) as npz:
             data = {k: npz[k] for k in npz.files}
+        if _needs_whole(data, trainer, same_size):
+            # Slices of sharded optimizers, for another rank count or an
+            # optimizer that is not sharded: whole states from every file.
+            _assemble(data, [os.path.join(folder, f['name'])
+                             for f in manifest['files']])
         ignore = None
         if not same_size:
             def ignore(key):
@@ -294,7 +334,9 @@ class AutoSnapshot(extension_module.Extension):
         self._barrier('the start of the snapshot of iteration {}'
                       .format(iteration))
         data = {}
-        trainer.serialize(serializers.DictionarySerializer(data))
+        # A sharded optimizer writes its own slices (no gathering).
+        with shards.saving(trainer.updater.get_all_optimizers().values()):
+            trainer.serialize(serializers.DictionarySerializer(data))
         for key, rs in random_states(trainer).items():
             for k, v in random_state_arrays(rs).items():
                 data['{}random/{}/{}'.format(_EXTRA, key, k)] = v
@@ -309,7 +351,9 @@ class AutoSnapshot(extension_module.Extension):
                           before_rename=lambda: self._fault_point(
                               'rank_file_written', iteration))
             digest, n = _store.sha256(path)
-            result.update(name=name, sha256=digest, bytes=n)
+            result.update(name=name, sha256=digest, bytes=n,
+                          sharded=any(k.endswith('/' + shards.RANGES_KEY)
+                                      for k in data))
         except OSError as e:
             result = {'ok': False, 'error': '{}: {}'.format(
                 type(e).__name__, e), 'enospc': e.errno == errno.ENOSPC}

@@ -43,6 +43,7 @@ iteration I attempt A size S resumed_from F t=T`` after the first update of
 each attempt (rank 0).
 """
 import argparse
+import contextlib
 import os
 import signal
 import sys
@@ -94,6 +95,15 @@ def main():
     p.add_argument('--optimizer', default='overlapped_forward',
                    choices=['overlapped_forward', 'overlapped_update',
                             'double_buffering', 'chainermn'])
+    p.add_argument('--shard', default=None,
+                   choices=['optimizer', 'gradients', 'parameters'],
+                   help="the overlapped optimizer's shard= (sharded "
+                   'snapshots)')
+    p.add_argument('--shard-unit', default='element',
+                   choices=['element', 'parameter'])
+    p.add_argument('--whole-snapshots', action='store_true',
+                   help='a sharded optimizer writes whole states, as '
+                   'before sharded snapshots (a reference for them)')
     p.add_argument('--iterations', type=int, default=24)
     p.add_argument('--stop-at', type=int, default=None,
                    help='end (successfully) after this iteration')
@@ -215,12 +225,16 @@ def main():
                     kill_self()
         snap._fault_point = fault_point
 
+    if args.whole_snapshots:
+        from chainermn_overlap.optimizers.sharding import shards
+        shards.saving = lambda optimizers: contextlib.nullcontext()
     model = L.Classifier(MLP(hook))
     actual = chainer.optimizers.MomentumSGD(0.05)
     if args.optimizer.startswith('overlapped'):
         opt = chainermn_overlap.create_overlapped_optimizer(
             actual, comm, wait=args.optimizer.split('_')[1],
-            bucket_size=2048, timeout=args.timeout)
+            bucket_size=2048, timeout=args.timeout, shard=args.shard,
+            **({'shard_unit': args.shard_unit} if args.shard else {}))
     elif args.optimizer == 'double_buffering':
         opt = chainermn_overlap.create_double_buffering_optimizer(
             actual, comm, bucket_size=2048, timeout=args.timeout)
@@ -303,10 +317,14 @@ def main():
     trainer.run()
     if hasattr(opt, 'synchronize'):
         opt.synchronize()
+    # Every rank serializes the optimizer (collective with shard=: its
+    # states are gathered whole), rank 0 writes what save_npz would.
+    opt_state = chainer.serializers.DictionarySerializer()
+    opt.serialize(opt_state)
     if comm.rank == 0 and (args.stop_at is None
                            or args.stop_at >= args.iterations):
         chainer.serializers.save_npz(args.result, model)
-        chainer.serializers.save_npz(args.result + '.opt.npz', opt)
+        np.savez(args.result + '.opt.npz', **opt_state.target)
     if hasattr(opt, 'close'):
         opt.close()
     comm.mpi_comm.Barrier()

@@ -48,6 +48,7 @@ from chainermn_overlap.optimizers.sharding import collectives
 from chainermn_overlap.optimizers.sharding import layout as shard_layout
 from chainermn_overlap.optimizers.sharding import rules
 from chainermn_overlap.optimizers.sharding import scaling
+from chainermn_overlap.optimizers.sharding import shards
 from chainermn_overlap.optimizers.sharding import state as sharding_state
 from chainermn_overlap.optimizers.sharding import writers
 
@@ -213,6 +214,10 @@ class ShardedPolicy(object):
         # Whether the update rules' states are cut for this layout (see
         # sharding.state): not until the first update under it.
         self.states_sharded = False
+        # Sharded snapshots (.shards): write slices while set; the ranges
+        # of slices loaded, until the next layout reconciles them.
+        self.save_shards = False
+        self.loaded_ranges = None
 
     # ------------------------------------------------------------------
     # Layout
@@ -238,6 +243,7 @@ class ShardedPolicy(object):
                 lo, hi, at = shard_layout.owned_range(off, size, start, stop)
                 pieces.append(_Piece(info, lo, hi, at))
             self.pieces[bucket.index] = pieces
+        shards.reconcile(self)
         self.pending_count = 0
         self._checked = None
         # The round that builds a layout posts its updates at update().
@@ -268,13 +274,21 @@ class ShardedPolicy(object):
         """The actual optimizer's ``serialize`` with whole states.
 
         Saving gathers them (collective: every rank must save at the same
-        point; :mod:`.writers`), loading reads them whole and replaces the
-        states only once all is read and checked (:func:`.state.load`);
-        either way each rank then keeps its slices only.
+        point; :mod:`.writers`), or within :func:`.shards.saving` writes
+        this rank's slices; loading reads whole states or slices and
+        replaces the states only once all is read and checked
+        (:func:`.state.load`); either way each rank then keeps its slices
+        only.
         """
         if isinstance(serializer, chainer.serializer.Deserializer):
             sharding_state.load(self, actual, serializer)
             self.states_sharded = False
+            if self.buckets:
+                shards.reconcile(self)
+        elif self.save_shards and (self.states_sharded or
+                                   self.loaded_ranges is not None):
+            shards.write(self, actual, serializer)
+            return
         else:
             if self.states_sharded:
                 writers.check_every_rank_writes(self.rank)

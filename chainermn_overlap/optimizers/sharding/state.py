@@ -23,6 +23,7 @@ import chainer
 
 from chainermn_overlap import _host
 from chainermn_overlap import _mpi_json
+from chainermn_overlap.optimizers.sharding import shards
 from chainermn_overlap.optimizers.sharding import writers
 
 __all__ = ['consolidate', 'load']
@@ -117,14 +118,16 @@ def _placed(value, like, dtype=None):
         return device.xp.array(_host.to_host(value), dtype=dtype)
 
 
-def _checked(deserializer, name, param, sharded, before, read):
+def _checked(deserializer, name, param, sharded, before, read,
+             ranged=None):
     """The state to keep for one rule, from the one it held and the one
     read (``read``: what the deserializer left in the staged dictionary).
 
     A key the deserializer left unread (``strict=False``) keeps the array
     held before, as an unsharded optimizer keeps it.  An array read must
     have the parameter's shape if the parameter is sharded (a file holds
-    whole states), else the shape of the array held before.
+    whole states), else the shape of the array held before; a slice of a
+    sharded snapshot (``ranged``: its ``(lo, hi)``) has shape ``(hi - lo,)``.
     """
     if read is None:
         return None
@@ -138,7 +141,9 @@ def _checked(deserializer, name, param, sharded, before, read):
         if not isinstance(value, _arrays()):
             out[key] = value
             continue
-        if sharded:
+        if ranged is not None:
+            shape = (ranged[1] - ranged[0],)
+        elif sharded:
             shape = param.shape if param.array is not None else None
         else:
             shape = held.shape if held_array else None
@@ -191,10 +196,13 @@ def load(policy, actual, deserializer):
             rule._state = {k: None if isinstance(v, _arrays()) else v
                            for k, v in rule._state.items()}
     try:
+        record = shards.read_ranges(deserializer) or {}
+        ranges = {n: (e['lo'], e['hi']) for n, e in record.items()}
         actual.serialize(deserializer)
         staged = [
             (rule, _checked(deserializer, name, param,
-                            id(param) in sharded, held, rule._state),
+                            id(param) in sharded, held, rule._state,
+                            ranges.get(name)),
              rule.t)
             for (name, param, rule), (_, held, _) in zip(entries, before)]
         new_t, new_epoch = actual.t, actual.epoch
@@ -211,3 +219,4 @@ def load(policy, actual, deserializer):
             rule._state = state
         rule.t = rule_t
     actual.t, actual.epoch = new_t, new_epoch
+    policy.loaded_ranges = ranges or None

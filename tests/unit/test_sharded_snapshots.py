@@ -1,0 +1,190 @@
+"""Snapshots of sharded optimizers stay sharded (issue 32, item 1).
+
+auto_snapshot with ``shard=``: each rank's file holds its own slices of
+the update-rule states (with their ranges), so the states are on disk once,
+not once per rank; a restart at the same rank count reads each rank's own
+file; one at another rank count, or into an unsharded optimizer, rebuilds
+whole states from every file; ``python -m chainermn_overlap.snapshot
+consolidate`` writes one file of whole states.  Every resume is compared
+bit for bit with an uninterrupted run (tests/unit/restart_job.py, an MLP
+with MomentumSGD, snapshots every 4 iterations).
+"""
+import glob
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from test_restart import (ROOT, assert_bit_identical, assert_finished,
+                          injections, mpirun, reference, run_case,
+                          trainings)
+
+OPT = 'updater/optimizer:main/'
+RANGES = OPT + 'shard_ranges'
+
+
+def _rank_files(snap_dir, iteration):
+    folder = os.path.join(snap_dir, 'snapshot_iter_{:08d}'.format(iteration))
+    return sorted(glob.glob(os.path.join(folder, 'rank*.npz')),
+                  key=lambda p: int(os.path.basename(p)[4:-4]))
+
+
+def _state_keys(npz):
+    return [k for k in npz.files if k.startswith(OPT) and k.endswith('/v')]
+
+
+def _whole_states(result):
+    """The optimizer's states as the finished run wrote them whole."""
+    opt = np.load(result + '.opt.npz')
+    return {OPT + k: opt[k] for k in opt.files if k.endswith('/v')}
+
+
+@pytest.mark.parametrize('shard', ['optimizer', 'parameters'])
+def test_files_hold_slices_and_a_kill_resumes_exactly(tmp_path,
+                                                      tmp_path_factory,
+                                                      shard):
+    code, out, result = run_case(tmp_path, {'shard': shard},
+                                 [('kill', 10, 0, 1)])
+    assert [i[:4] for i in injections(out)] == [('kill', 10, 1, 0)], out
+    assert [(a, f) for _, a, _, f, _ in trainings(out)] == [
+        (0, None), (1, 8)], out
+    assert_finished(code, out)
+    assert_bit_identical(result, reference(tmp_path_factory, shard=shard))
+    # The last snapshot (iteration 24, the end): every state on disk once.
+    files = [np.load(p) for p in _rank_files(str(tmp_path / 'snap'), 24)]
+    assert len(files) == 2
+    whole = _whole_states(result)
+    assert whole
+    for key, value in whole.items():
+        name = '/' + key[len(OPT):-len('/v')]
+        parts = []
+        for f in files:
+            entry = json.loads(str(f[RANGES][()]))[name]
+            part = f[key]
+            assert part.shape == (entry['hi'] - entry['lo'],), key
+            parts.append((entry['lo'], part))
+        # Slices, not copies: together exactly the whole state.
+        assert sum(p.size for _, p in parts) == value.size, key
+        joined = np.concatenate([p for _, p in sorted(parts,
+                                                      key=lambda x: x[0])])
+        assert joined.tobytes() == value.reshape(-1).tobytes(), key
+
+
+def test_negative_control_unsharded_files_hold_whole_copies(tmp_path):
+    # Without shard= every rank's file holds the whole state: what the
+    # test above shows is not so.
+    result = str(tmp_path / 'final.npz')
+    mpirun(['--out', str(tmp_path / 'snap'), '--result', result])
+    files = [np.load(p) for p in _rank_files(str(tmp_path / 'snap'), 24)]
+    whole = _whole_states(result)
+    for f in files:
+        assert RANGES not in f.files
+        for key, value in whole.items():
+            assert f[key].shape == value.shape
+
+
+def _resume(tmp_path, name, first, then, whole=False):
+    """Runs ``first`` (stopping at iteration 8), then ``then`` from its
+    snapshot; returns the result file and the second run's output."""
+    d = tmp_path / name
+    result = str(d / 'final.npz')
+    args = ['--out', str(d / 'snap'), '--result', result]
+    extra = ['--whole-snapshots'] if whole else []
+    ranks, opts = first
+    mpirun(args + opts + extra + ['--stop-at', '8'], ranks=ranks)
+    files = [np.load(p) for p in _rank_files(str(d / 'snap'), 8)]
+    assert len(files) == ranks
+    assert all((RANGES in f.files) != whole for f in files)
+    ranks, opts = then
+    return result, mpirun(args + opts, ranks=ranks)
+
+
+def test_resume_on_fewer_ranks_from_shards(tmp_path):
+    # 4 ranks stop at iteration 8 (a quarter of each state per file), 2
+    # ranks go on from there: the same bits as when the 4-rank files held
+    # whole states.
+    steps = ((4, ['--shard', 'optimizer']), (2, ['--shard', 'optimizer']))
+    result, out = _resume(tmp_path, 'sharded', *steps)
+    assert 'written by 4 ranks on 2' in out, out
+    ref, _ = _resume(tmp_path, 'whole', *steps, whole=True)
+    assert_bit_identical(result, ref)
+
+
+def test_resume_into_an_unsharded_optimizer(tmp_path):
+    # Written sharded at 2 ranks, read by shard=None at 2 ranks: the
+    # states are rebuilt whole from both files.
+    steps = ((2, ['--shard', 'optimizer']), (2, []))
+    result, _ = _resume(tmp_path, 'sharded', *steps)
+    ref, _ = _resume(tmp_path, 'whole', *steps, whole=True)
+    assert_bit_identical(result, ref)
+
+
+def test_resume_with_another_layout_at_the_same_rank_count(tmp_path):
+    # shard_unit changes the ranges each rank owns: the slices read are
+    # gathered once and cut anew (the same bits as from whole states).
+    steps = ((2, ['--shard', 'optimizer']),
+             (2, ['--shard', 'optimizer', '--shard-unit', 'parameter']))
+    result, _ = _resume(tmp_path, 'sharded', *steps)
+    ref, _ = _resume(tmp_path, 'whole', *steps, whole=True)
+    assert_bit_identical(result, ref)
+
+
+def _consolidate(*args):
+    return subprocess.run(
+        [sys.executable, '-m', 'chainermn_overlap.snapshot', 'consolidate']
+        + list(args), cwd=ROOT, text=True, stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, timeout=120)
+
+
+def test_consolidate_writes_one_file_of_whole_states(tmp_path):
+    snap = str(tmp_path / 'snap')
+    result = str(tmp_path / 'final.npz')
+    mpirun(['--out', snap, '--result', result, '--shard', 'optimizer'])
+    out = str(tmp_path / 'whole.npz')
+    proc = _consolidate(snap, '--out', out)
+    assert proc.returncode == 0, proc.stdout
+    assert 'iteration 24' in proc.stdout, proc.stdout
+    data = np.load(out)
+    assert RANGES not in data.files
+    assert not [k for k in data.files if k.startswith('auto_snapshot/')]
+    for key, value in _whole_states(result).items():
+        assert data[key].tobytes() == value.tobytes(), key
+    # ChainerMN's optimizer (any Chainer optimizer) loads it.
+    check = (
+        'import sys, chainer, numpy as np\n'
+        'sys.path.insert(0, "tests/unit")\n'
+        'from restart_job import MLP\n'
+        'm = chainer.links.Classifier(MLP(None))\n'
+        'o = chainer.optimizers.MomentumSGD(0.05)\n'
+        'o.setup(m)\n'
+        'chainer.serializers.load_npz(sys.argv[1], o, path="{}")\n'
+        'print("t", o.t)\n'.format(OPT))
+    proc = subprocess.run([sys.executable, '-c', check, out], cwd=ROOT,
+                          text=True, stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, timeout=120)
+    t = int(np.load(result + '.opt.npz')['t'])
+    assert t > 0
+    assert proc.returncode == 0 and 't {}'.format(t) in proc.stdout, \
+        proc.stdout
+
+
+def test_consolidate_refuses_a_damaged_snapshot_without_a_traceback(
+        tmp_path):
+    snap = tmp_path / 'snap'
+    proc = _consolidate(str(snap))
+    assert proc.returncode == 2 and 'no complete snapshot' in proc.stdout
+    assert 'Traceback' not in proc.stdout
+    result = str(tmp_path / 'final.npz')
+    mpirun(['--out', str(snap), '--result', result, '--shard', 'optimizer',
+            '--stop-at', '4'])
+    path = _rank_files(str(snap), 4)[1]
+    with open(path, 'r+b') as f:
+        f.seek(200)
+        f.write(b'\0' * 64)
+    proc = _consolidate(str(snap))
+    assert proc.returncode == 2, proc.stdout
+    assert 'corrupt' in proc.stdout and 'rank1.npz' in proc.stdout
+    assert 'Traceback' not in proc.stdout
