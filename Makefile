@@ -180,6 +180,14 @@ SHARDING_ARGS ?=
 bench-sharding: bench-deps
 	$(PY) -m benchmarks sharding $(SHARDING_ARGS)
 
+# Snapshots of sharded optimizers (4 ranks, Adam MLP of 4.2 M parameters):
+# bytes on disk and memory per rank while saving, sharded files against
+# whole states in every file.
+SNAPSHOT_ARGS ?=
+.PHONY: bench-snapshot
+bench-snapshot: venv
+	$(PY) -m benchmarks snapshot $(SNAPSHOT_ARGS)
+
 # GPU variants of the optimizer equivalence, distconv exactness and snapshot
 # suites (tests/gpu) with model and data on $(GPU_DEVICE), at 1 and 2 ranks
 # (sharing the GPU), against CPU/numpy references.  Installs a cupy wheel

@@ -23,6 +23,7 @@ STUDIES = (
     ('overhead', 'benchmarks.overhead'),
     ('powersgd_kernels', 'benchmarks.powersgd_kernels'),
     ('sharding', 'benchmarks.sharding_bench'),
+    ('snapshot', 'benchmarks.snapshot_bench'),
     ('peers', 'benchmarks.peers_bench'),
     ('hosts_soak', 'benchmarks.hosts_soak'),
     ('spatial', 'benchmarks.spatial_bench'),

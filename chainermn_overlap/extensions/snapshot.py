@@ -17,7 +17,11 @@ are replicated in data-parallel training, so rank 0's file alone holds them;
 the iterators (each rank iterates its own share of a scattered dataset) and
 the random states differ between ranks, so a per-rank file is the only way
 to continue each rank's data order exactly.  The cost is ``size`` copies of
-the replicated state on disk.
+the replicated state on disk, except for a sharded optimizer's (``shard=``):
+each rank writes only its slices of the update-rule states, with their
+ranges, and nothing is gathered (:mod:`chainermn_overlap.optimizers.sharding.shards`); at
+another rank count, or into an optimizer without ``shard=``, whole states
+are rebuilt from every rank's file.
 
 Layout, in ``directory`` (which every rank must see: a shared file system
 on several nodes)::

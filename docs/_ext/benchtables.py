@@ -124,6 +124,7 @@ def figures(results=RESULTS):
                                      'overlap_forward_powersgd4'),
         'soak_faults': str(soak['checks']['faults']),
         **sharding_figures(shard),
+        **snapshot_figures(load('snapshot.json', results)),
         'soak_cut_end': soak_end(('cut',)),
         'soak_kill_end': soak_end(('kill', 'lose')),
         'soak_median_s': '%.1f' % soak['recovery_less_watchdog_median_s'],
@@ -167,6 +168,23 @@ def sharding_figures(d):
         if r.get('minus_unsharded') is not None:
             out['sharding_resnet50_' + key] = '%+.3f [%+.3f, %+.3f]' % (
                 r['minus_unsharded'], *r['minus_unsharded_ci'])
+    return out
+
+
+def snapshot_figures(d):
+    """Disk bytes and save-time memory of sharded snapshots
+    (snapshot.json)."""
+    rows = d['rows']
+    out = {'snapshot_ranks': str(d['config']['ranks']),
+           'snapshot_params_m': '%.1f' % (
+               rows['optimizer']['parameters'] / 1e6)}
+    for key in ('optimizer', 'optimizer_whole_files', 'parameters'):
+        r = rows[key]
+        out['snapshot_disk_mb_' + key] = '%.0f' % (r['disk_bytes'] / 1e6)
+        out['snapshot_state_copies_' + key] = '%.2f' % r[
+            'state_copies_on_disk']
+        out['snapshot_peak_mb_' + key] = '%.1f' % (
+            max(r['save_peak_bytes_per_rank']) / 1e6)
     return out
 
 
