@@ -113,6 +113,29 @@ def test_resume_on_fewer_ranks_from_shards(tmp_path):
     assert_bit_identical(result, ref)
 
 
+def test_resume_on_more_ranks_from_shards(tmp_path):
+    # 2 -> 4 (a host came back): each new rank rebuilds from both files.
+    steps = ((2, ['--shard', 'optimizer']), (4, ['--shard', 'optimizer']))
+    result, out = _resume(tmp_path, 'sharded', *steps)
+    assert 'written by 2 ranks on 4' in out, out
+    ref, _ = _resume(tmp_path, 'whole', *steps, whole=True)
+    assert_bit_identical(result, ref)
+
+
+def test_a_kill_while_a_sharded_snapshot_is_written(tmp_path,
+                                                    tmp_path_factory):
+    # Rank 1 is killed after writing its temporary file of iteration 8:
+    # that snapshot never completes, the restart resumes from 4.
+    code, out, result = run_case(tmp_path, {'shard': 'optimizer'},
+                                 [('kill_temp', 8, 0, 1)])
+    assert [i[:4] for i in injections(out)] == [('kill_temp', 8, 1, 0)], out
+    assert [(a, f) for _, a, _, f, _ in trainings(out)] == [
+        (0, None), (1, 4)], out
+    assert_finished(code, out)
+    assert_bit_identical(result, reference(tmp_path_factory,
+                                           shard='optimizer'))
+
+
 def test_resume_into_an_unsharded_optimizer(tmp_path):
     # Written sharded at 2 ranks, read by shard=None at 2 ranks: the
     # states are rebuilt whole from both files.
