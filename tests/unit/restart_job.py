@@ -101,6 +101,8 @@ def main():
                    'snapshots)')
     p.add_argument('--shard-unit', default='element',
                    choices=['element', 'parameter'])
+    p.add_argument('--clip', type=float, default=None,
+                   help='GradientClipping threshold')
     p.add_argument('--whole-snapshots', action='store_true',
                    help='a sharded optimizer writes whole states, as '
                    'before sharded snapshots (a reference for them)')
@@ -241,6 +243,10 @@ def main():
     else:
         opt = chainermn.create_multi_node_optimizer(actual, comm)
     opt.setup(model)
+    if args.clip:
+        # Every step clips: its norm is one more collective (with shard=,
+        # an allreduce of the shards' squares in update()).
+        opt.add_hook(chainer.optimizer_hooks.GradientClipping(args.clip))
 
     rng = np.random.RandomState(1)
     xs = rng.randn(args.samples, 16).astype(np.float32)

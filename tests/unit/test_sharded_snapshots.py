@@ -42,17 +42,21 @@ def _whole_states(result):
     return {OPT + k: opt[k] for k in opt.files if k.endswith('/v')}
 
 
-@pytest.mark.parametrize('shard', ['optimizer', 'parameters'])
+# 'parameters': the others fetch their parameters from the rank killed;
+# clip: with GradientClipping the others wait in its norm's allreduce.
+@pytest.mark.parametrize('job', [{'shard': 'optimizer'},
+                                 {'shard': 'parameters'},
+                                 {'shard': 'optimizer', 'clip': 0.05}],
+                         ids=['optimizer', 'parameters', 'optimizer-clip'])
 def test_files_hold_slices_and_a_kill_resumes_exactly(tmp_path,
                                                       tmp_path_factory,
-                                                      shard):
-    code, out, result = run_case(tmp_path, {'shard': shard},
-                                 [('kill', 10, 0, 1)])
+                                                      job):
+    code, out, result = run_case(tmp_path, job, [('kill', 10, 0, 1)])
     assert [i[:4] for i in injections(out)] == [('kill', 10, 1, 0)], out
     assert [(a, f) for _, a, _, f, _ in trainings(out)] == [
         (0, None), (1, 8)], out
     assert_finished(code, out)
-    assert_bit_identical(result, reference(tmp_path_factory, shard=shard))
+    assert_bit_identical(result, reference(tmp_path_factory, **job))
     # The last snapshot (iteration 24, the end): every state on disk once.
     files = [np.load(p) for p in _rank_files(str(tmp_path / 'snap'), 24)]
     assert len(files) == 2
