@@ -46,6 +46,11 @@ inspector) must agree between ranks.
     Set by the launcher for every rank (mpiexec's ``-genv``): the job and
     attempt (``JOB:ATTEMPT``), by which it finds and ends what is left of
     an attempt on each host.
+``CHAINERMN_OVERLAP_LAUNCH_KEY`` (:data:`LAUNCH_KEY_ENV`)
+    Set by the launcher for every attempt: a random key its ranks write into
+    each record they report in their output (events of auto_snapshot, death
+    records; :func:`report_line`), so that no line a program prints can
+    pass for one.
 ``CHAINERMN_OVERLAP_LOCAL_RANK`` (:data:`LOCAL_RANK_ENV`)
     Set by the launcher's per-rank parent for its rank: the rank's number
     among the ranks on its host (0, 1, ... in rank order; from the process
@@ -78,12 +83,13 @@ from typing import Any, Dict, Optional, Union
 __all__ = [
     'ABORT_ON_EXCEPTION_ENV', 'DEBUG_ENV', 'DEFAULT_TIMEOUT',
     'EMULATION_DEFAULTS', 'EMULATION_ENV', 'ENVIRONMENT_VARIABLES',
-    'LAUNCH_DEATHS_ENV', 'LAUNCH_ID_ENV', 'LOCAL_RANK_ENV', 'NATIVE_ENV',
+    'LAUNCH_DEATHS_ENV', 'LAUNCH_ID_ENV', 'LAUNCH_KEY_ENV', 'LOCAL_RANK_ENV',
+    'NATIVE_ENV',
     'PROGRESS_FILE_ENV', 'RESTART_ENV', 'STALL_WARNING_ENV',
     'TEST_LOGDIR_ENV', 'TEST_OPTIMIZER_ENV', 'TEST_SHARD_ENV',
     'TIMEOUT_ENV', 'parse_delay', 'parse_duration',
     'parse_emulation_settings', 'parse_flag', 'parse_rate', 'parse_seconds',
-    'parse_size', 'resolve_abort_on_exception', 'resolve_debug',
+    'parse_size', 'report_line', 'resolve_abort_on_exception', 'resolve_debug',
     'resolve_emulation', 'resolve_native', 'resolve_stall_warning',
     'resolve_timeout',
 ]
@@ -99,6 +105,7 @@ RESTART_ENV = 'CHAINERMN_OVERLAP_RESTART'
 PROGRESS_FILE_ENV = 'CHAINERMN_OVERLAP_PROGRESS_FILE'
 LAUNCH_DEATHS_ENV = 'CHAINERMN_OVERLAP_LAUNCH_DEATHS'
 LAUNCH_ID_ENV = 'CHAINERMN_OVERLAP_LAUNCH_ID'
+LAUNCH_KEY_ENV = 'CHAINERMN_OVERLAP_LAUNCH_KEY'
 LOCAL_RANK_ENV = 'CHAINERMN_OVERLAP_LOCAL_RANK'
 NATIVE_ENV = 'CHAINERMN_OVERLAP_NATIVE'
 TEST_OPTIMIZER_ENV = 'CHAINERMN_OVERLAP_TEST_OPTIMIZER'
@@ -107,7 +114,8 @@ TEST_SHARD_ENV = 'CHAINERMN_OVERLAP_TEST_SHARD'
 ENVIRONMENT_VARIABLES = (
     TIMEOUT_ENV, STALL_WARNING_ENV, DEBUG_ENV, EMULATION_ENV,
     ABORT_ON_EXCEPTION_ENV, RESTART_ENV, PROGRESS_FILE_ENV,
-    LAUNCH_DEATHS_ENV, LAUNCH_ID_ENV, LOCAL_RANK_ENV, NATIVE_ENV,
+    LAUNCH_DEATHS_ENV, LAUNCH_ID_ENV, LAUNCH_KEY_ENV, LOCAL_RANK_ENV,
+    NATIVE_ENV,
     TEST_OPTIMIZER_ENV,
     TEST_LOGDIR_ENV, TEST_SHARD_ENV)
 
@@ -262,6 +270,13 @@ def parse_rate(value: Union[Number, str], what: str = 'link rate') -> float:
         raise ValueError('{} must be positive and finite, got {!r}'
                          .format(what, value))
     return float(rate)
+
+
+def report_line(tag: str, text: str) -> str:
+    """A record for the launcher: ``tag``, the attempt's key
+    (:data:`LAUNCH_KEY_ENV`) in brackets, then ``text`` (one line)."""
+    key = os.environ.get(LAUNCH_KEY_ENV, '')
+    return '{}[{}] {}\n'.format(tag, key, text)
 
 
 def parse_flag(value: Optional[str]) -> bool:

@@ -473,7 +473,7 @@ class AutoSnapshot(extension_module.Extension):
         if self._progress_path == '-':
             # One write of the whole line, flushed: the process manager
             # must not splice it with another rank's output.
-            sys.stdout.write('{}{}\n'.format(PROGRESS_TAG, line))
+            sys.stdout.write(config.report_line(PROGRESS_TAG, line))
             sys.stdout.flush()
             return
         try:

@@ -6,7 +6,11 @@ kinds of line it reads and drops: the death records of the per-rank
 parents (:mod:`chainermn_overlap.launch._rank`) and the progress events of
 :func:`chainermn_overlap.extensions.auto_snapshot` (``resumed``,
 ``training``, ``snapshot``, ``stopping``).  Both travel in the output, not
-in files, so that they reach the launcher from any host.
+in files, so that they reach the launcher from any host.  Each record is
+``TAG[KEY] JSON``, with the attempt's random key (``CHAINERMN_OVERLAP_
+LAUNCH_KEY``, set for every rank): a line the program prints with the
+tag but not the key, or that is not a JSON object, is the program's own
+and shown as it is.
 """
 import json
 import logging
@@ -28,7 +32,10 @@ logger = logging.getLogger('chainermn_overlap.launch')
 class Output(object):
     """What an attempt's output said: facts, deaths, events, last line."""
 
-    def __init__(self):
+    def __init__(self, key=None):
+        # The attempt's key (CHAINERMN_OVERLAP_LAUNCH_KEY): a tagged line
+        # without it is the program's own, shown and not read.
+        self.key = key
         self.facts = {}
         self.deaths = []
         self.events = []
@@ -42,8 +49,14 @@ class Output(object):
                               (PROGRESS_TAG, self.events)):
                 at = line.find(tag)
                 if at >= 0:
+                    rest = line[at + len(tag):]
+                    if self.key is not None:
+                        mark = '[{}] '.format(self.key)
+                        if not rest.startswith(mark):
+                            return True   # not one of ours: the user's
+                        rest = rest[len(mark):]
                     try:
-                        record = json.loads(line[at + len(tag):])
+                        record = json.loads(rest)
                     except ValueError:
                         return True   # cut short (a kill): show it
                     if not isinstance(record, dict):
@@ -127,7 +140,7 @@ class AttemptRunner(object):
                + [sys.executable, os.path.abspath(_rank.__file__)]
                + self.command)
         t0 = time.monotonic()
-        output = Output()
+        output = Output(env.get(_rank.KEY_ENV))
         proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE,
                                 start_new_session=True)

@@ -46,6 +46,8 @@ import time
 DEATHS_ENV = 'CHAINERMN_OVERLAP_LAUNCH_DEATHS'
 JOB_ENV = 'CHAINERMN_OVERLAP_LAUNCH_ID'
 LOCAL_RANK_ENV = 'CHAINERMN_OVERLAP_LOCAL_RANK'
+# The attempt's key, in every record (config.report_line).
+KEY_ENV = 'CHAINERMN_OVERLAP_LAUNCH_KEY'
 # The tag of a death record on stderr (the launcher reads and drops it).
 DEATH_TAG = 'chainermn_overlap.launch: rank ended '
 END_FLAG = '--end-job'
@@ -158,7 +160,9 @@ def rank_main(command):
         record['signal' if code < 0 else 'exit'] = abs(code)
         try:
             # One write: the process manager must not split the line.
-            os.write(2, (DEATH_TAG + json.dumps(record) + '\n').encode())
+            os.write(2, '{}[{}] {}\n'.format(
+                DEATH_TAG, os.environ.get(KEY_ENV, ''),
+                json.dumps(record)).encode())
         except OSError:
             pass
     if code < 0:

@@ -8,6 +8,7 @@ is :mod:`chainermn_overlap.launch._hosts`'.
 """
 import logging
 import os
+import secrets
 import shutil
 import signal
 import sys
@@ -246,6 +247,9 @@ class Launcher(object):
         # whichever host they are written on.
         env[PROGRESS_ENV] = '-'
         env[_rank.DEATHS_ENV] = '-'
+        # Records carry this attempt's key: a line the program prints with
+        # the same tag is shown as its own, never read as a record.
+        env[_rank.KEY_ENV] = secrets.token_hex(16)
         env.setdefault(ABORT_ENV, '1')
         env.pop(_rank.JOB_ENV, None)
         # For the ranks only: mpiexec must not carry it (see _rank.end_job).

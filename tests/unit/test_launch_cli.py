@@ -190,7 +190,8 @@ def test_a_stop_is_offered_only_where_every_rank_takes_the_signal(
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         env=env, timeout=90)
     assert proc.returncode == 0, proc.stdout
-    events = [json.loads(line.split(PROGRESS_TAG, 1)[1])
+    # Without the launcher's key: 'TAG[] JSON'.
+    events = [json.loads(line.split(PROGRESS_TAG + '[] ', 1)[1])
               for line in proc.stdout.splitlines() if PROGRESS_TAG in line]
     assert [e['event'] for e in events] == ['resumed'], proc.stdout
     assert events[0]['resize'] is offered, proc.stdout
@@ -201,6 +202,10 @@ import sys
 from mpi4py import MPI
 tag = "chainermn_overlap.launch: rank ended "
 sys.stdout.write(tag + "[1, 2]\\n" + tag + "null\\n" + tag + "{\\n")
+# Records as a program might print them, without the attempt's key: a
+# forged death record and a progress event that would stop the job.
+sys.stdout.write(tag + '{"rank": 1, "signal": 9, "pid": 1}\\n')
+sys.stdout.write('chainermn_overlap.progress: {"event": "stopping"}\\n')
 sys.stdout.write("x" * 300000 + "\\n")
 sys.stdout.flush()
 MPI.COMM_WORLD.Barrier()
@@ -235,4 +240,8 @@ def test_odd_output_and_an_embedding_program(tmp_path):
     for r in (0, 1):
         assert 'job: rank {} done'.format(r) in out, out[-3000:]
     assert 'rank ended [1, 2]' in out and 'x' * 300000 in out, out[-3000:]
+    # Not read as records (no key): shown, and the job ended as it did.
+    assert 'rank ended {"rank": 1, "signal": 9' in out, out[-3000:]
+    assert 'chainermn_overlap.progress: {"event": "stopping"}' in out, \
+        out[-3000:]
     assert 'Traceback' not in out, out[-3000:]
