@@ -59,7 +59,7 @@ class Output(object):
                         record = json.loads(rest)
                     except ValueError:
                         return True   # cut short (a kill): show it
-                    if not isinstance(record, dict):
+                    if not _well_formed(tag, record):
                         return True   # not one of ours: the user's line
                     # The launcher's clock: ranks may run on other hosts.
                     record['received'] = time.time()
@@ -75,6 +75,22 @@ class Output(object):
                 if key not in self.facts:
                     self.facts[key] = m.groups()
         return True
+
+
+def _number(value):
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _well_formed(tag, record):
+    """Whether ``record`` has the fields the launcher reads of it."""
+    if not isinstance(record, dict):
+        return False
+    if tag == _rank.DEATH_TAG:
+        return (isinstance(record.get('rank'), int) and
+                isinstance(record.get('pid'), int) and
+                _number(record.get('time')) and
+                any(_number(record.get(k)) for k in ('signal', 'exit')))
+    return isinstance(record.get('event'), str)
 
 
 def _pump(src, dst, output):

@@ -245,3 +245,21 @@ def test_odd_output_and_an_embedding_program(tmp_path):
     assert 'chainermn_overlap.progress: {"event": "stopping"}' in out, \
         out[-3000:]
     assert 'Traceback' not in out, out[-3000:]
+
+
+def test_a_record_is_read_only_with_the_key_and_its_fields():
+    from chainermn_overlap.launch import _rank
+    from chainermn_overlap.launch._attempt import Output
+    output = Output('k1')
+    good = '{"rank": 1, "pid": 7, "time": 1.5, "signal": 9}'
+    # The attempt's key and every field: read, not shown.
+    assert output.feed(_rank.DEATH_TAG + '[k1] ' + good) is False
+    assert [d['rank'] for d in output.deaths] == [1]
+    # Another key, no key, or a field missing: the program's line, shown.
+    for line in (_rank.DEATH_TAG + '[k2] ' + good, _rank.DEATH_TAG + good,
+                 _rank.DEATH_TAG + '[k1] {"rank": 1, "pid": 7}',
+                 PROGRESS_TAG + '[k1] {"attempt": 0}'):
+        assert output.feed(line) is True, line
+    assert len(output.deaths) == 1 and output.events == []
+    assert output.feed(PROGRESS_TAG + '[k1] {"event": "training"}') is False
+    assert [e['event'] for e in output.events] == ['training']
