@@ -87,7 +87,7 @@ def consolidate(directory, iteration=None, out=None):
         out = os.path.join(store.directory,
                            'consolidated_iter_{:08d}.npz'.format(iteration))
     try:
-        _store.write_durably(out, lambda f: numpy.savez(f, **data))
+        _store.write_durably(out, lambda f: _store.savez(f, data))
     except OSError as e:
         raise SnapshotError('cannot write {} ({})'.format(out, e))
     return out, iteration

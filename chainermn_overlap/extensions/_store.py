@@ -45,6 +45,34 @@ def sha256(path, chunk=1 << 20):
     return h.hexdigest(), n
 
 
+def savez(f, arrays, chunk=1 << 20):
+    """``numpy.savez(f, **arrays)`` without a copy of each array.
+
+    ``numpy.savez`` writes an array into its zip entry through a copy of
+    the whole array (``tobytes``): the largest parameter's size added to
+    the memory of every rank while it saves.  This writes the same file
+    (uncompressed entries ``KEY.npy``, read by ``numpy.load``) from views,
+    ``chunk`` bytes at a time.
+    """
+    import zipfile
+    from numpy.lib import format as npy
+    with zipfile.ZipFile(f, mode='w', compression=zipfile.ZIP_STORED,
+                         allowZip64=True) as zf:
+        for key, value in arrays.items():
+            a = numpy.asanyarray(value)
+            if a.dtype.hasobject:
+                raise ValueError('{}: an object array cannot be saved '
+                                 'without pickle'.format(key))
+            if not a.flags.c_contiguous:
+                a = numpy.ascontiguousarray(a)
+            flat = a.reshape(-1).view(numpy.uint8)
+            with zf.open(key + '.npy', 'w', force_zip64=True) as out:
+                npy.write_array_header_2_0(
+                    out, npy.header_data_from_array_1_0(a))
+                for i in range(0, flat.size, chunk):
+                    out.write(flat[i:i + chunk])
+
+
 def write_durably(path, write, before_rename=None):
     """Writes ``path`` through a temporary file in the same folder.
 

@@ -351,7 +351,7 @@ class AutoSnapshot(extension_module.Extension):
         result = {'ok': True}
         try:
             os.makedirs(folder, exist_ok=True)
-            write_durably(path, lambda f: numpy.savez(f, **data),
+            write_durably(path, lambda f: _store.savez(f, data),
                           before_rename=lambda: self._fault_point(
                               'rank_file_written', iteration))
             digest, n = _store.sha256(path)
