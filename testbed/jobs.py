@@ -29,11 +29,14 @@ class HostJob(object):
         launcher_args (list of str): more launcher options.
         job (list of str): the script and its arguments.
         env (dict): more environment for the launcher (and the ranks).
+        hostfile (bool): pass the bed's hostfile (else the launcher args
+            name the hosts, e.g. ``--hosts-from slurm``).
     """
 
-    def __init__(self, bed, launcher_args, job, env=None):
-        cmd = ([sys.executable, '-m', 'chainermn_overlap.launch',
-                '--hostfile', bed.hostfile] + bed.launcher_args()
+    def __init__(self, bed, launcher_args, job, env=None, hostfile=True):
+        cmd = ([sys.executable, '-m', 'chainermn_overlap.launch']
+               + (['--hostfile', bed.hostfile] if hostfile else [])
+               + bed.launcher_args()
                + list(launcher_args) + ['--'] + list(job))
         full = {'PYTHONPATH': ROOT + os.pathsep + os.environ.get(
             'PYTHONPATH', ''), 'PYTHONUNBUFFERED': '1'}

@@ -142,6 +142,24 @@ def test_a_job_over_ssh_crosses_the_links(tmp_path):
     assert_bit_identical(result, reference(tmp_path, [(4, None)]))
 
 
+def test_a_job_from_a_slurm_allocation(tmp_path):
+    # No hostfile: the hosts and slots come from Slurm's variables as a
+    # batch job sees them (h0 and h1, 2 tasks each).
+    with hosts.HostBed(2, slots=2) as bed:
+        result = str(tmp_path / 'final.npz')
+        job = jobs.HostJob(
+            bed, ['--hosts-from', 'slurm', '--max-restarts', '0'],
+            [JOB, '--out', os.path.join(bed.shared, 'snap'), '--result',
+             result, '--no-snapshot'] + TRAIN + PACE,
+            env={'SLURM_JOB_NODELIST': 'h[0-1]',
+                 'SLURM_TASKS_PER_NODE': '2(x2)'}, hostfile=False)
+        code = job.finish(300)
+    text = job.text
+    assert code == 0, text[-3000:]
+    assert 'starting 4 rank(s) on h0:2,h1:2' in text, text[-3000:]
+    assert_bit_identical(result, reference(tmp_path, [(4, None)]))
+
+
 def test_every_process_of_a_host_killed(tmp_path):
     with hosts.HostBed(2, slots=2) as bed:
         job, result = start(bed, tmp_path)

@@ -31,4 +31,8 @@ else:
     make()
 box[0].initialize(None)
 sys.stdout.flush()
+# Every rank waits for rank 0's event line to be written before any rank
+# ends: a rank that ends first (os._exit, no MPI_Finalize) can make the
+# process manager end rank 0 before it wrote (seen once in CI: no output).
+comm.mpi_comm.Barrier()
 os._exit(0)
