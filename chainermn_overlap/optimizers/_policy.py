@@ -150,11 +150,14 @@ class UpdatePolicy(object):
         (every parameter, the channel blocks ``immediate`` too)."""
         self.reducer.mean_grads_to_params(self.infos)
         with _clipping.across_groups(self.actual, self.mpi_comm,
-                                     self._wait_requests):
+                                     self.wait_requests):
             self.actual.update()
 
-    def _wait_requests(self, requests, label):
-        self.reducer.engine.watchdog.wait_requests(requests, label)
+    def wait_requests(self, requests, label, hint=''):
+        """Waits for MPI requests of a collective the main thread posted,
+        bounded as the reductions are (as the sharded policy's)."""
+        self.reducer.engine.watchdog.wait_requests(requests, label,
+                                                   hint=hint)
 
     def _defer(self, target):
         actual = self.actual
