@@ -28,6 +28,10 @@ from chainermn_overlap.launch._result import PATTERNS, AttemptResult
 
 logger = logging.getLogger('chainermn_overlap.launch')
 
+# Seconds the processes an attempt's mpiexec left behind may take to end
+# by themselves once it has exited (see AttemptRunner.end).
+ORPHAN_GRACE = 2.0
+
 
 class Output(object):
     """What an attempt's output said: facts, deaths, events, last line."""
@@ -216,7 +220,14 @@ class AttemptRunner(object):
 
     def end(self, proc):
         """SIGTERM, then SIGKILL, to the attempt's local processes; waits
-        until every one of them is gone."""
+        until every one of them is gone.
+
+        When mpiexec ended by itself, its orphans get ``ORPHAN_GRACE``
+        seconds to end on their own first: an ssh session whose host was
+        lost prints why (``Connection to H closed by remote host``) just
+        after Hydra, which saw the same closed connection, exits, and a
+        signal would cut that line off.
+        """
         if proc.poll() is None:
             self._seen.update(self.members(proc))
             kill_all(self.members(proc), signal.SIGTERM)
@@ -225,6 +236,14 @@ class AttemptRunner(object):
             except subprocess.TimeoutExpired:
                 kill_all(self.members(proc), signal.SIGKILL)
                 proc.wait()
+        else:
+            self._seen.update(self.members(proc))
+            deadline = time.monotonic() + ORPHAN_GRACE
+            while time.monotonic() < deadline:
+                self._reap(proc)
+                if not self.members(proc):
+                    break
+                time.sleep(0.05)
         # mpiexec's status is known: its orphans are re-parented to this
         # process, which reaps those of the attempt.
         deadline = time.monotonic() + 30.0

@@ -7,6 +7,7 @@ ssh to a host would, and refuses hosts listed in a file: enough to run
 host that stops answering, and one that comes back.  The real thing (sshd
 per namespace host, links, faults) is ``tests/netbed/test_hosts.py``.
 """
+import json
 import os
 import re
 import shutil
@@ -407,3 +408,51 @@ def test_a_job_grows_past_its_first_allocation_up_to_max_ranks():
     assert policy.plan([('a', 2)], {}) == ([('a', 2)], None)
     listed = [('a', 2), ('b', 2), ('c', 4)]
     assert policy.plan(listed, {}) == ([('a', 2), ('b', 2), ('c', 2)], None)
+
+
+# A stand-in mpiexec that exits (as Hydra does when a proxy's connection
+# closes) while its ssh session to h1 is still printing why it ended.
+_LOST_MPIEXEC = r'''
+import subprocess, sys, time
+subprocess.Popen([sys.executable, '-c', "import sys, time; time.sleep(1.2); "
+                  "sys.stderr.write('Connection to h1 closed by remote "
+                  "host.\\n'); sys.exit(255)", 'h1'])
+time.sleep(0.8)
+sys.stderr.write('[mpiexec@vm] control_cb: assert (!closed) failed\n')
+sys.exit(255)
+'''
+
+_RUN_ATTEMPT = r'''
+import json, os, sys, threading
+from chainermn_overlap.launch import _attempt, _procs
+_procs.become_subreaper()
+_attempt.ORPHAN_GRACE = float(sys.argv[2])
+runner = _attempt.AttemptRunner(sys.argv[1], [], 5.0, threading.Event())
+result = runner.run(0, 4, [], dict(os.environ),
+                    tag='job:0')
+result.hosts = [('h0', 2), ('h1', 2)]
+sys.stdout.write('RESULT ' + json.dumps(
+    {'reason': result.reason(), 'left': sorted(_procs.descendants(
+        os.getpid()))}) + '\n')
+'''
+
+
+@pytest.mark.parametrize('grace', [0.0, 2.0])
+def test_the_line_of_a_lost_host_outlives_mpiexec(tmp_path, grace):
+    fake = tmp_path / 'mpiexec'
+    fake.write_text('#!{}\n{}'.format(sys.executable, _LOST_MPIEXEC))
+    fake.chmod(0o755)
+    script = tmp_path / 'run.py'
+    script.write_text(_RUN_ATTEMPT)
+    proc = subprocess.run(
+        [sys.executable, str(script), str(fake), str(grace)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        timeout=60, cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT))
+    line = [ln for ln in proc.stdout.splitlines() if ln.startswith('RESULT ')]
+    assert line, (proc.stdout, proc.stderr)
+    result = json.loads(line[-1][len('RESULT '):])
+    assert result['left'] == [], result
+    lost = 'every process on host h1 ended at once' in result['reason']
+    # Without the grace (as before) the launcher's SIGKILL cuts the
+    # session's line off and the reason is lost: the fault is real.
+    assert lost == (grace > 0), (result, proc.stderr)
