@@ -14,7 +14,11 @@ reason ssh gave.  After an attempt it does the same on every host of that
 attempt, so that no rank or proxy survives it on any host.  The answer
 also gives the host's own name, which its ranks' death records carry: the
 launcher matches those records to the listed host with it, however the
-list spells the host (an address, a short name, a full one).
+list spells the host (an address, a short name, a full one).  Lists are
+compared by the addresses their names resolve to (:func:`one_spelling`):
+two spellings of one machine in a list are refused, and a host that a
+later discovery spells another way keeps its first spelling, so that it
+is neither a new host nor a second one.
 
 Host names come from files and commands, so they are checked before any
 reaches ssh or Hydra: a host name (dot-separated labels of letters, digits,
@@ -27,9 +31,11 @@ import json
 import os
 import re
 import shlex
+import socket
 import subprocess
 import sys
 import threading
+import time
 
 from chainermn_overlap.launch import _rank
 
@@ -64,6 +70,62 @@ def host_problem(name):
         return ('not a host name: letters, digits, "-" and "_" in labels '
                 'separated by ".", none starting or ending with "-"')
     return None
+
+
+# name -> (when resolved, frozenset of addresses); a name that did not
+# resolve is kept too, so that a slow resolver is asked once a minute.
+_RESOLVED = {}
+_RESOLVED_FOR = 60.0
+
+
+def addresses(name, timeout=5.0):
+    """The addresses ``name`` resolves to (a frozenset of strings), empty
+    when it does not resolve within ``timeout`` seconds: a resolver that
+    hangs must not hang the launcher."""
+    now = time.monotonic()
+    cached = _RESOLVED.get(name)
+    if cached is not None and now - cached[0] < _RESOLVED_FOR:
+        return cached[1]
+    found = []
+
+    def resolve():
+        try:
+            found.extend(info[4][0] for info in socket.getaddrinfo(
+                name, None, proto=socket.IPPROTO_TCP))
+        except (OSError, UnicodeError):
+            pass
+    thread = threading.Thread(target=resolve, daemon=True)
+    thread.start()
+    thread.join(timeout)
+    result = frozenset(found) if not thread.is_alive() else frozenset()
+    _RESOLVED[name] = (now, result)
+    return result
+
+
+def one_spelling(hosts, before=(), what='the host list'):
+    """``hosts`` with each host spelled as in ``before`` where both name
+    the same machine (the same name, or names that resolve to a common
+    address); names that do not resolve are compared as written.
+
+    Raises:
+        ValueError: two entries of ``hosts`` are the same machine.
+    """
+    known = [(h, addresses(h)) for h, _ in before]
+    seen = []
+    out = []
+    for host, slots in hosts:
+        mine = addresses(host)
+        for other, theirs in seen:
+            common = mine & theirs
+            if common:
+                raise ValueError(
+                    'launch: {}: {} and {} are the same host (both resolve '
+                    'to {}); list each host once with all its slots.'.format(
+                        what, other, host, sorted(common)[0]))
+        seen.append((host, mine))
+        out.append((next((h for h, a in known if h == host or mine & a),
+                         host), slots))
+    return out
 
 
 def parse_hosts(text, what):

@@ -76,6 +76,8 @@ class Launcher(object):
         self.hosts = list(hosts) if hosts else None
         if host_discovery and self.hosts is None:
             self.hosts = _hosts.discover(host_discovery)
+        if self.hosts:
+            self.hosts = _hosts.one_spelling(self.hosts)
         if ranks is None:
             if self.hosts is None:
                 raise ValueError('launch: give -n RANKS, or hosts with '
@@ -147,8 +149,10 @@ class Launcher(object):
     def _listed_hosts(self):
         if self.host_discovery:
             try:
-                self.hosts = _hosts.discover(self.host_discovery)
-            except RuntimeError as e:
+                self.hosts = _hosts.one_spelling(
+                    _hosts.discover(self.host_discovery), self.hosts or (),
+                    'the host discovery output')
+            except (RuntimeError, ValueError) as e:
                 logger.warning('%s; keeping the hosts found before: %s', e,
                                _hosts.format_hosts(self.hosts))
         return self.hosts
@@ -212,8 +216,11 @@ class Launcher(object):
                                    self.max_resizes)
                 return
             try:
-                listed = _hosts.discover(self.host_discovery)
-            except RuntimeError as e:
+                listed = _hosts.one_spelling(
+                    _hosts.discover(self.host_discovery),
+                    list(allocation) + list(self.hosts or ()),
+                    'the host discovery output')
+            except (RuntimeError, ValueError) as e:
                 logger.warning('%s', e)
                 return
             running = dict(allocation)

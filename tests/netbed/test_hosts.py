@@ -308,35 +308,53 @@ def test_a_lost_host_is_left_out_then_taken_back_at_the_next_restart(
 
 
 def test_host_discovery_grows_the_job_at_its_next_snapshot(tmp_path):
-    with hosts.HostBed(2, slots=2) as bed:
+    # Listed: h0 and h1 (4 ranks) of a bed of 3.  h1 is lost: the job goes
+    # on with 2 ranks; then h1 answers again and h2 appears in the listing:
+    # the job stops at its next snapshot and grows past its first size to
+    # 6 ranks (--max-ranks 6), exactly.
+    with hosts.HostBed(3, slots=2) as bed:
         listing = os.path.join(bed.dir, 'discovered')
         with open(listing, 'w') as f:
             f.write('h0:2\nh1:2\n')
         job, result = start(bed, tmp_path, ELASTIC + [
-            '--host-discovery', 'cat ' + listing,
+            '--max-ranks', '6', '--host-discovery', 'cat ' + listing,
             '--discovery-interval', '1'])
         job.wait_for(r'loss at iteration 20 ')
         lost = faults.lose_host(bed, 1)
         job.wait_for(r'loss at iteration \d+ attempt 1 ')
+        # One change only, to the 3 hosts: h1 leaves the listing while its
+        # sshd starts again, then h0, h1 and h2 are listed at once.
+        _write_listing(listing, 'h0:2\n')
         faults.start_sshd(bed, 1)
+        _write_listing(listing, 'h0:2\nh1:2\nh2:2\n')
         code = job.finish(300)
     text = job.text
     assert lost['ssh_rc'] == 255 and lost['left'] == [], lost
+    assert 'attempt 0: starting 4 rank(s) on h0:2,h1:2' in text, text[-3000:]
     assert 'attempt 1: starting 2 rank(s) on h0:2' in text, text[-3000:]
-    assert re.search(r'host discovery: h0:2,h1:2 now \(running on h0:2\); '
-                     r'asking the job to stop at its next snapshot', text)
+    assert re.search(r'host discovery: h0:2,h1:2,h2:2 now \(running on '
+                     r'h0:2\); asking the job to stop at its next snapshot',
+                     text), text[-3000:]
     m = re.search(r'attempt 1 \(2 ranks on h0:2\) ended after [\d.]+ s: '
                   r'stopped at its snapshot of iteration (\d+) to change '
                   r'hosts', text)
     assert m, text[-3000:]
     stop = int(m.group(1))
-    assert 'attempt 2: starting 4 rank(s) on h0:2,h1:2' in text, text[-3000:]
+    assert 'attempt 2: starting 6 rank(s) on h0:2,h1:2,h2:2' in text, \
+        text[-3000:]
     # The stop was not a failure: no restart was used for it.
     assert 'restart 2 of' not in text, text[-3000:]
     assert code == 0, text[-3000:]
     tr = jobs.trainings(text)
     r1 = [f for _, a, _, f, _ in tr if a == 1][0]
     assert [f for _, a, _, f, _ in tr if a == 2] == [stop], tr
+    assert [s for _, a, s, _, _ in tr if a == 2] == [6], tr
     assert_bit_identical(result, reference(tmp_path, [
-        (4, r1), (2, stop), (4, None)]))
+        (4, r1), (2, stop), (6, None)]))
     assert_loss_falls(text)
+
+
+def _write_listing(path, text):
+    with open(path + '.new', 'w') as f:
+        f.write(text)
+    os.replace(path + '.new', path)

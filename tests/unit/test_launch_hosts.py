@@ -369,6 +369,40 @@ def test_discovery_compares_host_sets_and_bounds_the_changes(tmp_path):
     assert proc.signals == []
 
 
+def test_hosts_are_matched_by_the_addresses_they_resolve_to(
+        monkeypatch):
+    import time
+    monkeypatch.setattr(_hosts, '_RESOLVED', {})
+    # Two spellings of one machine in one list: refused, naming both.
+    with pytest.raises(ValueError, match=r'localhost and 127\.0\.0\.1 are '
+                       r'the same host \(both resolve to 127\.0\.0\.1\)'):
+        _hosts.one_spelling([('localhost', 2), ('127.0.0.1', 2)])
+    # Another spelling of a known host keeps the first one; names that do
+    # not resolve are compared as written.
+    assert _hosts.one_spelling([('127.0.0.1', 2), ('b', 2)],
+                               [('localhost', 2), ('b', 2)]) == [
+                                   ('localhost', 2), ('b', 2)]
+    assert _hosts.one_spelling([('a', 1), ('b', 1)]) == [('a', 1), ('b', 1)]
+    # Discovery spelling a running host another way is no change.
+    job = launcher.Launcher(['true'], hosts=[('localhost', 2), ('b', 2)],
+                            host_discovery='echo 127.0.0.1:2,b:2',
+                            discovery_interval=0.0, min_hosts=1)
+    proc = _Proc()
+    output = _Output(events=[{'event': 'training', 'resize': True}])
+    job._discovery_watch([('localhost', 2), ('b', 2)], 'job:0')(proc, output)
+    assert proc.signals == []
+    assert job._listed_hosts() == [('localhost', 2), ('b', 2)]
+    # A resolver that hangs costs its timeout, then the name stands alone.
+
+    def hang(*args, **kwargs):
+        time.sleep(3)
+        return [(None, None, None, '', ('127.0.0.1', 0))]
+    monkeypatch.setattr(_hosts.socket, 'getaddrinfo', hang)
+    t0 = time.monotonic()
+    assert _hosts.addresses('slow.example', timeout=0.2) == frozenset()
+    assert time.monotonic() - t0 < 1.0
+
+
 def test_a_host_whose_session_ended_is_reported_after_the_grace():
     from chainermn_overlap.launch._sessions import Sessions
     # Stand-ins for mpiexec's ssh sessions: children of this process
