@@ -79,6 +79,12 @@ MaxStartups 100:30:200
 MaxSessions 100
 """
 
+# A login shell that greets on stdout, then runs what ssh was asked to.
+_CHATTY = """\
+ForceCommand echo "Welcome to {name}: modules loaded"; \
+eval "$SSH_ORIGINAL_COMMAND"
+"""
+
 
 def ensure_ssh():
     """Installs openssh-server/-client, iproute2, util-linux if missing.
@@ -107,9 +113,12 @@ class HostBed(object):
         hosts (int): number of hosts (at least 1).
         slots (int): ranks per host in the hostfile.
         rate (str): link rate of every namespace (tc tbf).
+        chatty (tuple of int): hosts whose login shell prints a banner on
+            stdout before every command it runs (as a module system's or a
+            site's profile does).
     """
 
-    def __init__(self, hosts, slots=1, rate='1gbit'):
+    def __init__(self, hosts, slots=1, rate='1gbit', chatty=()):
         if hosts < 1 or hosts > 200:
             raise ValueError('hosts must be between 1 and 200, got {}'
                              .format(hosts))
@@ -120,6 +129,7 @@ class HostBed(object):
         self.login_address = self.net.addresses[0]
         self.addresses = self.net.addresses[1:]
         self.names = ['h{}'.format(i) for i in range(hosts)]
+        self.chatty = set(chatty)
         self.dir = None
         self.sshd = {}          # host index -> Popen of its sshd
         self._etc = []
@@ -216,6 +226,8 @@ class HostBed(object):
                     address=self.addresses[i], host_key=key,
                     pid_file=self._path('sshd_{}.pid'.format(name)),
                     authorized_keys=self._path('authorized_keys')))
+                if i in self.chatty:
+                    f.write(_CHATTY.format(name=name))
         with open(self._path('known_hosts'), 'w') as f:
             f.write('\n'.join(known) + '\n')
         words = [which('ssh'), '-i', self._path('id_ed25519'), '-o',

@@ -144,8 +144,10 @@ def test_a_job_over_ssh_crosses_the_links(tmp_path):
 
 def test_a_job_from_a_slurm_allocation(tmp_path):
     # No hostfile: the hosts and slots come from Slurm's variables as a
-    # batch job sees them (h0 and h1, 2 tasks each).
-    with hosts.HostBed(2, slots=2) as bed:
+    # batch job sees them (h0 and h1, 2 tasks each).  h1's login shell
+    # greets on stdout before every command (the launcher's checks and
+    # Hydra's proxy alike): that changes nothing.
+    with hosts.HostBed(2, slots=2, chatty=(1,)) as bed:
         result = str(tmp_path / 'final.npz')
         job = jobs.HostJob(
             bed, ['--hosts-from', 'slurm', '--max-restarts', '0'],
@@ -157,6 +159,9 @@ def test_a_job_from_a_slurm_allocation(tmp_path):
     text = job.text
     assert code == 0, text[-3000:]
     assert 'starting 4 rank(s) on h0:2,h1:2' in text, text[-3000:]
+    # The banner was there: Hydra passes on what the proxy's shell printed.
+    assert 'Welcome to h1: modules loaded' in text, text[-3000:]
+    assert 'does not answer' not in text, text[-3000:]
     assert_bit_identical(result, reference(tmp_path, [(4, None)]))
 
 
