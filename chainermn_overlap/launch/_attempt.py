@@ -47,7 +47,10 @@ class Output(object):
         self._lock = threading.Lock()
 
     def feed(self, line):
-        """Reads one line; returns whether to show it to the user."""
+        """Reads one line; returns whether to show it to the user: True,
+        False, or the part to show (str) when a record ends a line the
+        program had begun without its newline (another rank's output, or
+        this one's, glued in front of the record)."""
         with self._lock:
             for tag, into in ((_rank.DEATH_TAG, self.deaths),
                               (PROGRESS_TAG, self.events)):
@@ -68,7 +71,7 @@ class Output(object):
                     # The launcher's clock: ranks may run on other hosts.
                     record['received'] = time.time()
                     into.append(record)
-                    return False
+                    return line[:at] if line[:at].strip() else False
             if line.strip():
                 self.last_line = line.strip()
             for key, pattern in PATTERNS:
@@ -110,8 +113,10 @@ def _pump(src, dst, output):
         except Exception:  # a record we misread: show the line
             logger.debug('could not read the line %r', line, exc_info=True)
             show = True
-        if not show:
+        if show is False:
             continue
+        if show is not True:   # the program's text before a record
+            raw = (show + '\n').encode('utf-8', 'replace')
         try:
             if out is not None:
                 out.write(raw)

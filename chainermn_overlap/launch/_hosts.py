@@ -212,10 +212,30 @@ def allocate(hosts, ranks):
 # calls it as ``ssh -x HOST COMMAND...`` (``-x``, no X11, is the only
 # option it gives), the launcher as ``ssh -- HOST COMMAND...``; a word
 # that starts with "-" anywhere else is a host, and ssh refuses it.
-_WRAPPER = """import os
+#
+# A session of Hydra's runs ssh as a child, not by exec, so that how it
+# ended reaches the launcher whatever mpiexec does: when every process of
+# a host ends at once, the host closes the session (ssh's status 255) at
+# about the moment Hydra sees its proxy's connection close, and Hydra may
+# exit before forwarding ssh's message, or take ssh's pipes with it.  So
+# ssh's stderr passes through this wrapper (copied on; a closed stderr
+# loses the copy, never ssh), and one JSON line per ended session goes to
+# SESSIONS, a file of the launcher's: the host, ssh's status (or -signal),
+# the time, and whether ssh said the host closed the connection.  ssh dies
+# with its wrapper (PR_SET_PDEATHSIG), as it did when it was the process
+# Hydra started; SIGTERM, SIGINT and SIGHUP are passed on.
+_WRAPPER = """import ctypes
+import json
+import os
+import signal
+import subprocess
 import sys
+import threading
+import time
 
 WORDS = {words!r}
+SESSIONS = {sessions!r}
+CLOSED = b'closed by remote host'
 args = sys.argv[1:]
 options = []
 while args[:1] == ['-x']:
@@ -224,7 +244,51 @@ if args[:1] == ['--']:
     args.pop(0)
 if not args:
     sys.exit('chainermn_overlap.launch ssh: no host given')
-os.execvp(WORDS[0], WORDS + options + ['--'] + args)
+command = WORDS + options + ['--'] + args
+if not options:   # the launcher's own ssh
+    os.execvp(command[0], command)
+
+libc = ctypes.CDLL(None, use_errno=True)
+
+
+def die_with_parent():
+    libc.prctl(1, signal.SIGKILL)
+
+
+proc = subprocess.Popen(command, stderr=subprocess.PIPE,
+                        preexec_fn=die_with_parent)
+for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+    signal.signal(s, lambda n, _: proc.send_signal(n))
+said = []
+
+
+def copy():
+    for line in iter(proc.stderr.readline, b''):
+        said.append(CLOSED in line)
+        try:
+            os.write(2, line)
+        except OSError:
+            pass
+
+
+reader = threading.Thread(target=copy, daemon=True)
+reader.start()
+status = proc.wait()
+reader.join(5.0)
+record = {{'host': args[0], 'status': status, 'time': time.time(),
+          'closed': any(said)}}
+try:
+    fd = os.open(SESSIONS, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+    try:
+        os.write(fd, (json.dumps(record) + '\\n').encode())
+    finally:
+        os.close(fd)
+except OSError:
+    pass
+if status < 0:
+    signal.signal(-status, signal.SIG_DFL)
+    os.kill(os.getpid(), -status)
+sys.exit(status)
 """
 
 
@@ -248,16 +312,41 @@ class Ssh(object):
                              'reaches a host (default: ssh).')
         self.connect_timeout = connect_timeout
         self.names = {}
+        # How each of Hydra's sessions ended (see _WRAPPER).
+        self.sessions_log = os.path.join(folder, 'sessions.log')
         script = os.path.join(folder, 'ssh.py')
         with open(script, 'w') as f:
             f.write(_WRAPPER.format(words=self.words + list(SSH_OPTIONS) + [
                 '-o', 'ConnectTimeout={:d}'.format(
-                    max(1, int(round(connect_timeout))))]))
+                    max(1, int(round(connect_timeout))))],
+                sessions=self.sessions_log))
         self.wrapper = os.path.join(folder, 'ssh')
         with open(self.wrapper, 'w') as f:
             f.write('#!/bin/sh\nexec {} -I -S {} "$@"\n'.format(
                 shlex.quote(sys.executable), shlex.quote(script)))
         os.chmod(self.wrapper, 0o700)
+
+    def ended_sessions(self):
+        """How Hydra's sessions ended since the last call: a list of
+        ``{'host', 'status', 'time', 'closed'}`` (the log is emptied)."""
+        try:
+            os.rename(self.sessions_log, self.sessions_log + '.read')
+        except FileNotFoundError:
+            return []
+        out = []
+        with open(self.sessions_log + '.read') as f:
+            for line in f:
+                try:
+                    record = json.loads(line)
+                except ValueError:
+                    continue
+                if (isinstance(record, dict)
+                        and isinstance(record.get('host'), str)
+                        and isinstance(record.get('status'), int)
+                        and isinstance(record.get('time'), (int, float))):
+                    out.append(record)
+        os.unlink(self.sessions_log + '.read')
+        return out
 
     def command(self, host, remote):
         """The local command that runs ``remote`` (words) on ``host``."""

@@ -271,6 +271,7 @@ class Launcher(object):
             watch=self._watch(allocation, tag), tag=tag)
         result.hosts = allocation
         _as_listed(result, allocation, self._ssh.names)
+        _closed_sessions(result, allocation, self._ssh.ended_sessions())
         # No rank or proxy of this attempt may survive it on any host.
         verdicts = self._ssh.end_job([h for h, _ in allocation], self.job_id)
         for host, why in sorted(verdicts.items()):
@@ -403,6 +404,23 @@ def _as_listed(result, allocation, names):
         name = death.get('host')
         if name not in listed and name in own:
             death['host'] = own[name]
+
+
+def _closed_sessions(result, allocation, sessions):
+    """Names the host whose ssh session the host itself closed (every
+    process there ended at once: killed, or the host went down), from the
+    sessions' own ends (:meth:`_hosts.Ssh.ended_sessions`): ssh's message
+    reaches the output only when mpiexec lives long enough to forward it.
+    The first such session counts; a session the launcher noticed lost
+    (``session_lost``) already says which host it was."""
+    listed = {h for h, _ in allocation}
+    if 'ssh_closed' in result.facts or 'session_lost' in result.facts:
+        return
+    closed = sorted((s['time'], s['host']) for s in sessions
+                    if s['host'] in listed and s['status'] == 255
+                    and s.get('closed') is True)
+    if closed:
+        result.facts['ssh_closed'] = (closed[0][1],)
 
 
 def _log_recovery(result, last_end):

@@ -26,6 +26,8 @@ iteration ITER:
   before the manifest (RANK is ignored);
 * ``corrupt``: flips bytes in the newest snapshot's file of rank RANK, then
   raises (so that the restart meets the corrupt file);
+* ``truncate``: cuts the newest snapshot's file of rank RANK to half its
+  length, then raises (a file system that lost the file's tail);
 * ``fill``: fills the snapshot file system (rank 0), so the next snapshot
   cannot be written; the next attempt removes the filler first.
 
@@ -172,7 +174,7 @@ def main():
     def hook(where, h):
         if args.sleep:
             time.sleep(args.sleep)
-        f = due(('raise', 'hang', 'corrupt', 'fill'))
+        f = due(('raise', 'hang', 'corrupt', 'truncate', 'fill'))
         if f is not None:
             announce(f[0], f[1])
             if f[0] == 'raise':
@@ -180,20 +182,26 @@ def main():
                     comm.rank))
             if f[0] == 'hang':
                 time.sleep(3600)
-            if f[0] == 'corrupt':
+            if f[0] in ('corrupt', 'truncate'):
                 folders = sorted(d for d in os.listdir(args.out)
                                  if d.startswith('snapshot_iter_'))
                 path = os.path.join(args.out, folders[-1],
                                     'rank{}.npz'.format(f[3]))
+                size = os.path.getsize(path)
                 with open(path, 'r+b') as fh:
-                    fh.seek(os.path.getsize(path) // 2)
-                    b = fh.read(8)
-                    fh.seek(-len(b), 1)
-                    fh.write(bytes(x ^ 0xFF for x in b))
+                    if f[0] == 'truncate':
+                        fh.truncate(size // 2)
+                    else:
+                        fh.seek(size // 2)
+                        b = fh.read(8)
+                        fh.seek(-len(b), 1)
+                        fh.write(bytes(x ^ 0xFF for x in b))
                     fh.flush()
                     os.fsync(fh.fileno())
-                say('corrupted {}'.format(path))
-                raise ValueError('injected fault after corrupting a snapshot')
+                say('{} {} ({} -> {} bytes)'.format(
+                    'truncated' if f[0] == 'truncate' else 'corrupted',
+                    path, size, os.path.getsize(path)))
+                raise ValueError('injected fault after damaging a snapshot')
             if f[0] == 'fill':
                 st = os.statvfs(args.out)
                 free = st.f_bavail * st.f_frsize

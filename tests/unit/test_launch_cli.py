@@ -263,3 +263,8 @@ def test_a_record_is_read_only_with_the_key_and_its_fields():
     assert len(output.deaths) == 1 and output.events == []
     assert output.feed(PROGRESS_TAG + '[k1] {"event": "training"}') is False
     assert [e['event'] for e in output.events] == ['training']
+    # A line the program began without its newline, the record glued on:
+    # the record is read, the program's text shown.
+    assert output.feed('epoch 3 ' + PROGRESS_TAG +
+                       '[k1] {"event": "snapshot"}') == 'epoch 3 '
+    assert [e['event'] for e in output.events] == ['training', 'snapshot']

@@ -320,6 +320,47 @@ def test_reachability_ignores_what_a_login_shell_prints(tmp_path):
     assert _hosts._end_answer(_rank.END_MARK + '[1]\n') is None
 
 
+def test_a_session_the_host_closed_is_known_after_mpiexec_is_gone(tmp_path):
+    # Every process of host "b" ended at once: the host closes mpiexec's
+    # ssh session, ssh says so on stderr and exits 255, and Hydra, which
+    # saw its proxy's connection close at the same moment, may be gone
+    # already: nobody reads that stderr (a pipe closed before ssh writes).
+    fake = tmp_path / 'closing_ssh'
+    fake.write_text('#!/bin/sh\nsleep 0.3\n'
+                    'echo "Connection to b closed by remote host." >&2\n'
+                    'exit 255\n')
+    fake.chmod(0o755)
+    ssh = _hosts.Ssh(str(fake), 2, str(tmp_path))
+    read, write = os.pipe()
+    proc = subprocess.Popen([ssh.wrapper, '-x', 'b', 'hydra_pmi_proxy'],
+                            stdin=subprocess.DEVNULL, stderr=write)
+    os.close(write)
+    os.close(read)   # mpiexec is gone: ssh's message reaches nobody
+    assert proc.wait(timeout=30) == 255
+    # The wrapper's own record says how the session ended.
+    sessions = ssh.ended_sessions()
+    assert [(x['host'], x['status'], x['closed']) for x in sessions] == [
+        ('b', 255, True)], sessions
+    assert ssh.ended_sessions() == []   # read once
+    # The launcher names the host, and the policy takes it as the host's
+    # failure, as when ssh's line reached the output.
+    result = _Result(4)
+    launcher._closed_sessions(result, HOSTS, sessions)
+    assert result.facts['ssh_closed'] == ('b',)
+    assert _elastic.failed_host(result, HOSTS) == 'b'
+    # A session that ended otherwise (0: the job ended; a keep-alive
+    # timeout says nothing of a closed connection) names no host.
+    result = _Result(4)
+    launcher._closed_sessions(result, HOSTS, [
+        {'host': 'a', 'status': 0, 'time': 1.0, 'closed': False},
+        {'host': 'b', 'status': 255, 'time': 2.0, 'closed': False}])
+    assert 'ssh_closed' not in result.facts
+    # The launcher's own ssh (no -x) is ssh itself, as before: no record.
+    subprocess.run(ssh.command('a', ['true']), stdin=subprocess.DEVNULL,
+                   stderr=subprocess.DEVNULL, timeout=30)
+    assert ssh.ended_sessions() == []
+
+
 def test_death_records_are_matched_to_the_host_as_listed():
     # The hostfile gives addresses; each host answered with its own name.
     allocation = [('10.0.0.1', 2), ('10.0.0.2', 2)]

@@ -148,7 +148,7 @@ def recovery_times(out):
     trained = {a: t for _, a, _, _, t in trainings(out)}
     times = []
     for kind, _, _, attempt, t in injections(out):
-        if kind in ('corrupt', 'fill'):
+        if kind in ('corrupt', 'truncate', 'fill'):
             continue   # not the moment the attempt ended
         if attempt + 1 in trained:
             times.append(trained[attempt + 1] - t)

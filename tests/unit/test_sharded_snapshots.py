@@ -12,6 +12,7 @@ with MomentumSGD, snapshots every 4 iterations).
 import glob
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -139,6 +140,26 @@ def test_a_kill_while_a_sharded_snapshot_is_written(tmp_path,
     assert_bit_identical(result, reference(tmp_path_factory,
                                            shard='optimizer'))
 
+
+
+def test_a_truncated_shard_file_is_refused(tmp_path, tmp_path_factory):
+    # Rank 1's shard file of iteration 8 loses its second half (rank 1
+    # then raises, so the job restarts): the restart refuses that snapshot,
+    # naming the file, resumes from 4 and still ends bit for bit on the
+    # uninterrupted run.  (No rank could rebuild its states from the other
+    # files: each holds only its own slices.)
+    job = {'shard': 'parameters'}
+    code, out, result = run_case(tmp_path, job, [('truncate', 10, 0, 1)])
+    assert [i[:4] for i in injections(out)] == [('truncate', 10, 1, 0)], out
+    m = re.search(r'truncated \S+snapshot_iter_00000008\S+rank1\.npz '
+                  r'\((\d+) -> (\d+) bytes\)', out)
+    assert m and int(m.group(2)) == int(m.group(1)) // 2, out
+    assert re.search(r'SnapshotWarning: auto_snapshot: skipping the snapshot '
+                     r'of iteration 8 .*rank 1: \w+: rank1.npz', out), out
+    assert [(a, f) for _, a, _, f, _ in trainings(out)] == [
+        (0, None), (1, 4)], out
+    assert_finished(code, out)
+    assert_bit_identical(result, reference(tmp_path_factory, **job))
 
 def test_resume_into_an_unsharded_optimizer(tmp_path):
     # Written sharded at 2 ranks, read by shard=None at 2 ranks: the
