@@ -12,6 +12,7 @@ import chainermn
 from chainermn_overlap import _mpi_json
 from chainermn_overlap import config
 from chainermn_overlap.communication import backends
+from chainermn_overlap.communication.scheduler import DEFAULT_CHUNK_BYTES
 
 
 class OptimizerWrapper(object):
@@ -119,6 +120,22 @@ def check_wire_dtype(allreduce_grad_dtype):
             'allreduce_grad_dtype must be float16, float32 or float64, '
             'got {}'.format(dt))
     return dt
+
+
+def resolve_bucket_size(bucket_size, shard, wire_dtype, compression,
+                        chunk_size, default):
+    """The fusion bucket size in bytes (see create_overlapped_optimizer)."""
+    if bucket_size is not None:
+        return config.parse_size(bucket_size)
+    if shard is not None or (wire_dtype is not None and wire_dtype.itemsize
+                             < 4 and compression is None):
+        # A sharded bucket's reduce-scatter and update, and the float16
+        # ring, run whole (the engine cannot slice them): buckets of one
+        # chunk keep what the next forward needs from waiting behind a
+        # large one.
+        return (config.parse_size(chunk_size) if chunk_size is not None
+                else DEFAULT_CHUNK_BYTES)
+    return default
 
 
 def check_compression(compression, allreduce_grad_dtype):

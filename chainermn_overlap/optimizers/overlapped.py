@@ -38,7 +38,6 @@ from chainermn_overlap import _autosync
 from chainermn_overlap import _host
 from chainermn_overlap import config
 from chainermn_overlap.communication import backends
-from chainermn_overlap.communication.scheduler import DEFAULT_CHUNK_BYTES
 from chainermn_overlap.communication import timeline as timeline_module
 from chainermn_overlap.compression import PowerSGD
 from chainermn_overlap.hooks import taps
@@ -70,9 +69,7 @@ class _OverlapState(object):
 
     def __init__(self, actual, communicator, wait, bucket_size, zero_fill,
                  allreduce_grad_dtype, backend, backend_options,
-                 timeline=None, compression=None, shard=None,
-                 shard_unit='element', shard_update='update',
-                 shard_in_flight=None):
+                 timeline=None, compression=None, shard=None):
         self.actual = actual
         self.communicator = communicator
         self.mpi_comm = communicator.mpi_comm
@@ -89,10 +86,12 @@ class _OverlapState(object):
         self.engine = None
         self.target = None
         self.timeline = timeline or timeline_module.NullTimeline()
+        # shard: the sharding_options.ShardOptions (None: no sharding).
+        shard_opts, shard = shard, shard.mode if shard else None
         self.shard = shard
         self.layout = LayoutManager(
             self.mpi_comm, bucket_size, allreduce_grad_dtype, wait,
-            shard_unit=shard_unit if shard is not None else None)
+            shard_unit=shard_opts.unit if shard is not None else None)
         if shard is None:
             operation = _reducer.choose_operation(allreduce_grad_dtype,
                                                   compression)
@@ -114,10 +113,12 @@ class _OverlapState(object):
             self.reducer.transient = True
             self.policy = cls(
                 actual, wait, self.reducer, self.timeline, self.rank,
-                shard_unit, shard != 'optimizer', self.mpi_comm,
+                shard_opts.unit, shard != 'optimizer', self.mpi_comm,
                 iteration=lambda: self.tracker.iteration,
                 control=lambda: self.layout.control,
-                update_at=shard_update)
+                update_at=shard_opts.update)
+            if shard == 'parameters':
+                self.policy.prefetch_bytes = shard_opts.prefetch
             self.reducer.after_post = self.policy.after_post
         self.tracker = GradientTracker(
             self.rank, self.timeline, on_ready=self._on_ready,
@@ -125,10 +126,10 @@ class _OverlapState(object):
             apply_updates=self.policy.apply,
             pending_count=lambda: self.policy.pending_count)
         self.tracker.release_grads = shard in ('gradients', 'parameters')
-        if self.tracker.release_grads and shard_in_flight is not None:
+        if self.tracker.release_grads and shard_opts.in_flight is not None:
             # Bounds the gradients held in backward; 'optimizer' keeps
             # every gradient whole anyway, and waiting costs speed.
-            self.policy.in_flight = shard_in_flight
+            self.policy.in_flight = shard_opts.in_flight
             self.reducer.before_new_buffer = self.policy.throttle
         self.reducer.keep_packed = not self.tracker.release_grads
         if shard == 'parameters':
@@ -445,7 +446,8 @@ def create_overlapped_optimizer(
         shard: Optional[str] = None,
         shard_unit: str = 'element',
         shard_update: str = 'update',
-        shard_in_flight: Union[int, str, None] = 'auto'
+        shard_in_flight: Union[int, str, None] = 'auto',
+        shard_prefetch: Union[int, str, None] = 'auto'
 ) -> '_OverlappedOptimizer':
     """Creates a multi-node optimizer that overlaps reduction with compute.
 
@@ -544,9 +546,16 @@ def create_overlapped_optimizer(
             ``'parameters'``: the bytes of full gradient buckets a rank may
             hold waiting for their reduce-scatter before backward waits for
             the oldest (a number or a string such as ``'32MB'``; ``None``:
-            no bound).  Default ``'auto'``: no bound for ``'gradients'``
-            (at most the whole gradient, as unsharded), two buckets for
-            ``'parameters'``.
+            no bound).  Default ``'auto'``: no bound (at most the whole
+            gradient, as unsharded).
+        shard_prefetch (int or str): with ``'parameters'``: the bytes of
+            whole parameters a rank holds besides the bucket in use,
+            fetched ahead in the order of the last iteration's uses
+            (forward, then backward) and kept while their next use is
+            within it (the last of forward are the first of backward).
+            ``None``: no bound.  Default ``'auto'``: one rank's share of
+            the parameters (at least two buckets), so that stage 3 holds
+            at most twice its share whole.
 
     Returns:
         The wrapped optimizer.  Attribute access goes to the actual
@@ -558,21 +567,12 @@ def create_overlapped_optimizer(
         raise ValueError("wait must be 'forward' or 'update', got {!r}"
                          .format(wait))
     allreduce_grad_dtype = _wrapper.check_wire_dtype(allreduce_grad_dtype)
-    sharding_options.check(shard, shard_unit, shard_update, compression,
-                           backend)
-    if bucket_size is not None:
-        bucket_size = config.parse_size(bucket_size)
-    elif shard is not None or (
-            allreduce_grad_dtype is not None
-            and allreduce_grad_dtype.itemsize < 4 and compression is None):
-        # A sharded bucket's reduce-scatter and update, and the float16
-        # ring, run whole (the engine cannot slice them): buckets of one
-        # chunk keep what the next forward needs from waiting behind a
-        # large one.
-        bucket_size = (config.parse_size(chunk_size) if chunk_size
-                       is not None else DEFAULT_CHUNK_BYTES)
-    else:
-        bucket_size = DEFAULT_BUCKET_SIZE
+    shard_opts = sharding_options.resolve(
+        shard, shard_unit, shard_update, shard_in_flight, shard_prefetch,
+        compression, backend)
+    bucket_size = _wrapper.resolve_bucket_size(
+        bucket_size, shard, allreduce_grad_dtype, compression, chunk_size,
+        DEFAULT_BUCKET_SIZE)
     _wrapper.check_compression(compression, allreduce_grad_dtype)
     if backend is not None:
         backends.get_backend(backend)
@@ -584,15 +584,14 @@ def create_overlapped_optimizer(
         backend_options['chunk_bytes'] = config.parse_size(chunk_size)
     watch_options = _wrapper.check_watch_options(timeout, stall_warning,
                                                  debug)
-    in_flight = sharding_options.in_flight_limit(shard, shard_in_flight)
     tl = (timeline_module.Timeline(str(timeline), communicator.rank)
           if timeline is not None else None)
     if shard is not None and backend is None:
         backend = 'mpi_priority'
     state = _OverlapState(actual_optimizer, communicator, wait, bucket_size,
                           zero_fill, allreduce_grad_dtype, backend,
-                          backend_options, tl, compression, shard,
-                          shard_unit, shard_update, in_flight)
+                          backend_options, tl, compression,
+                          shard_opts if shard is not None else None)
     state.watch_options = watch_options
     if tl is not None:
         _TIMELINES.add(state)

@@ -1,9 +1,28 @@
 """The sharding arguments of ``create_overlapped_optimizer``, checked."""
+import collections
+
 from chainermn_overlap import config
 
-__all__ = ['SHARD_MODES', 'check', 'in_flight_limit']
+__all__ = ['SHARD_MODES', 'ShardOptions', 'check', 'in_flight_limit',
+           'prefetch_budget', 'resolve']
 
 SHARD_MODES = (None, 'optimizer', 'gradients', 'parameters')
+
+# What the optimizer's wiring reads: the mode (None: no sharding), how
+# buckets are cut, when a shard is updated, the bound on gradients waiting
+# for their reduce-scatter (in_flight_limit) and the prefetch budget of
+# shard='parameters' (prefetch_budget).
+ShardOptions = collections.namedtuple(
+    'ShardOptions', ['mode', 'unit', 'update', 'in_flight', 'prefetch'])
+
+
+def resolve(shard, shard_unit, shard_update, shard_in_flight,
+            shard_prefetch, compression, backend):
+    """Checks the arguments; returns their :class:`ShardOptions`."""
+    check(shard, shard_unit, shard_update, compression, backend)
+    return ShardOptions(shard, shard_unit, shard_update,
+                        in_flight_limit(shard, shard_in_flight),
+                        prefetch_budget(shard, shard_prefetch))
 
 
 def check(shard, shard_unit, shard_update, compression, backend):
@@ -37,13 +56,13 @@ def in_flight_limit(shard, shard_in_flight):
     reduce-scatter a rank may hold before backward waits: ``(n, 'bytes')``,
     ``(n, 'buckets')`` or None (no bound).
 
-    ``'auto'``: no bound for ``'gradients'`` (at most the whole gradient,
-    as unsharded: backward never waits for the link, which cost stage 2
-    0.08 of scalability on ResNet-50 on the test bed with two buckets),
-    two buckets for ``'parameters'`` (whose peak is the point).
+    ``'auto'``: no bound (at most the whole gradient, as unsharded):
+    backward never waits for the link.  On the test bed a bound of two
+    buckets cost stage 2 0.08 of scalability on ResNet-50, and stage 3
+    0.10-0.12 even at 32-48 MiB.
     """
     if shard_in_flight == 'auto':
-        return (2, 'buckets') if shard == 'parameters' else None
+        return None
     if shard_in_flight is None:
         return None
     if shard not in ('gradients', 'parameters'):
@@ -56,4 +75,28 @@ def in_flight_limit(shard, shard_in_flight):
         return config.parse_size(shard_in_flight), 'bytes'
     except ValueError as e:
         raise ValueError('shard_in_flight: {} (or None for no bound, '
+                         "'auto' for the default)".format(e)) from None
+
+
+def prefetch_budget(shard, shard_prefetch):
+    """The bytes of whole parameters ``shard='parameters'`` holds besides
+    the bucket in use: a number, ``'auto'`` (resolved at the layout: one
+    rank's share of the parameters, at least two buckets) or None (no
+    bound: every bucket of the iteration's next uses)."""
+    if shard_prefetch == 'auto':
+        return 'auto'
+    if shard != 'parameters':
+        raise ValueError(
+            'shard_prefetch={!r} bounds the whole parameters fetched ahead, '
+            "which only shard='parameters' releases (shard={!r} keeps them "
+            "whole): drop shard_prefetch or use shard='parameters'."
+            .format(shard_prefetch, shard))
+    if shard_prefetch is None:
+        return None
+    if shard_prefetch == 0 and not isinstance(shard_prefetch, bool):
+        return 0   # only the next bucket ahead
+    try:
+        return config.parse_size(shard_prefetch)
+    except ValueError as e:
+        raise ValueError('shard_prefetch: {} (or None for no bound, '
                          "'auto' for the default)".format(e)) from None

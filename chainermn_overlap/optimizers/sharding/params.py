@@ -30,6 +30,7 @@ made whole in time.  A parameter first used that way later raises an error
 that says so.
 """
 import collections
+import time
 import weakref
 
 import numpy
@@ -37,6 +38,7 @@ import numpy
 import chainer
 
 from chainermn_overlap.optimizers.sharding import policy as sharded
+from chainermn_overlap.optimizers.sharding import prefetch
 from chainermn_overlap.optimizers.sharding import server as server_module
 
 __all__ = ['ParameterShardedPolicy', 'placeholder']
@@ -61,6 +63,10 @@ class ParameterShardedPolicy(sharded.ShardedPolicy):
     extra_items = 1
     # Updates are posted at update(): the owners' versions change there.
     early = False
+    # Bytes of whole buckets held besides the one in use: fetched ahead,
+    # or kept for a use soon (prefetch.UsePlan); 'auto' or None (no bound):
+    # see prefetch.budget.
+    prefetch_bytes = 'auto'
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -72,8 +78,7 @@ class ParameterShardedPolicy(sharded.ShardedPolicy):
         self.version = 0        # updates the released buckets have had
         self.live = collections.OrderedDict()   # bucket -> whole array
         self.fetching = {}      # bucket -> Fetch
-        self.order = []         # buckets in this forward's fetch order
-        self.prev_order = []
+        self.plan = None        # which buckets to hold (prefetch.UsePlan)
         self.materialized = set()
         self.nodes = weakref.WeakKeyDictionary()   # tap output node -> info
         self._restored = []
@@ -105,8 +110,11 @@ class ParameterShardedPolicy(sharded.ShardedPolicy):
         self.observed = False
         self.version = 0
         self._forget_fetched()
-        self.prev_order, self.order = [], []
         self.by_index = {b.index: b for b in self.buckets}
+        sizes = {b.index: b.plan.nelems * numpy.dtype(b.param_dtype).itemsize
+                 for b in self.buckets}
+        self.plan = prefetch.UsePlan(sizes, prefetch.budget(
+            self.prefetch_bytes, sizes, self.mpi_comm.size))
 
     def _values(self, bucket):
         return self.master.get(bucket.index) if (
@@ -144,7 +152,8 @@ class ParameterShardedPolicy(sharded.ShardedPolicy):
             self._release(self.by_index[index], write_back=True)
         self.materialized.clear()
         self._forget_fetched()
-        self.prev_order, self.order = self.order, []
+        if self.plan is not None:
+            self.plan.next_iteration()
         if not self.observed:
             # This update runs as shard='gradients' does (the parameters
             # are whole), and decides which buckets stay whole.
@@ -255,18 +264,27 @@ class ParameterShardedPolicy(sharded.ShardedPolicy):
                 self.fetching:
             self.fetching[bucket.index] = self.server.fetch(
                 bucket, self.version, self._own(bucket))
+            self.timeline.instant('fetch bucket {}'.format(bucket.index),
+                                  'fetch')
 
-    def _acquire(self, bucket, keep=()):
-        """The bucket's whole flat array; at most it and ``keep`` stay."""
+    def _acquire(self, bucket, keep=(), why='forward'):
+        """The bucket's whole flat array; of the others only those in
+        ``keep`` stay, and those are fetched ahead, in order."""
         index = bucket.index
         full = self.live.get(index)
         if full is None:
+            t0 = time.perf_counter()
             self._start(bucket)
             full = self.fetching.pop(index).wait(watchdog=self._watchdog())
             self.live[index] = full
+            self.timeline.span('{} wait for bucket {}'.format(why, index),
+                               'fetch wait', t0, time.perf_counter())
         for other in list(self.live):
             if other != index and other not in keep:
                 del self.live[other]
+        for other in keep:
+            if other != index:
+                self._start(self.by_index[other])
         return full
 
     def _view(self, info, full):
@@ -279,20 +297,8 @@ class ParameterShardedPolicy(sharded.ShardedPolicy):
         bucket = info.bucket
         if bucket.index not in self.released:
             return None
-        nxt = self._next(self.prev_order, bucket.index, +1)
-        if bucket.index not in self.order:
-            self.order.append(bucket.index)
-        full = self._acquire(bucket, keep=(nxt,))
-        if nxt is not None:
-            self._start(self.by_index[nxt])
-        return self._view(info, full)
-
-    @staticmethod
-    def _next(order, index, step):
-        if index not in order:
-            return order[0] if step > 0 and order else None
-        i = order.index(index) + step
-        return order[i] if 0 <= i < len(order) else None
+        keep = self.plan.use(bucket.index)
+        return self._view(info, self._acquire(bucket, keep))
 
     def tapped(self, node, info):
         """A tap's output node for the released ``info``: drop its array
@@ -311,10 +317,8 @@ class ParameterShardedPolicy(sharded.ShardedPolicy):
             if info is None or node._data is not None:
                 continue
             bucket = info.bucket
-            prev = self._next(self.order, bucket.index, -1)
-            full = self._acquire(bucket, keep=(prev,))
-            if prev is not None:
-                self._start(self.by_index[prev])
+            full = self._acquire(bucket, self.plan.use(bucket.index),
+                                 why='backward')
             node._data = self._view(info, full)
             self._restored.append(node)
 
@@ -341,7 +345,7 @@ class ParameterShardedPolicy(sharded.ShardedPolicy):
         self._settle_fetches()
         for index in sorted(self.released):
             bucket = self.by_index[index]
-            full = self._acquire(bucket)
+            full = self._acquire(bucket, why='whole')
             for info in self.by_bucket[index]:
                 info.param.array = self._view(info, full).copy()
             self.materialized.add(index)
