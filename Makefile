@@ -234,10 +234,20 @@ $(PEERS_STAMP):
 # test`.  The default is the lighter model (ResNet-18 at 128 px, batch 8),
 # where the communication is largest against the compute; PEERS_ARGS='--model
 # resnet50 --batch 4 --insize 224' measures ResNet-50.
+# Then our sharding (shard='optimizer' | 'gradients' | 'parameters',
+# Adam) against ZeroRedundancyOptimizer, FSDP2 and FSDP1 on the same bed
+# in the same run, compute-matched, and bytes per parameter per rank of
+# both sides: benchmarks/results/peers_sharding.json.  bench-peers-sharding
+# runs it alone; PEERS_SHARDING_ARGS passes options, e.g. '--stages 0 3'.
 PEERS_ARGS ?= --model resnet18 --batch 8 --insize 128
-.PHONY: bench-peers
+PEERS_SHARDING_ARGS ?= --model resnet18 --batch 8 --insize 128
+.PHONY: bench-peers bench-peers-sharding
 bench-peers: bench-deps peers-venv
 	$(PY) -m benchmarks peers $(PEERS_ARGS)
+	$(PY) -m benchmarks peers_sharding $(PEERS_SHARDING_ARGS)
+
+bench-peers-sharding: bench-deps peers-venv
+	$(PY) -m benchmarks peers_sharding $(PEERS_SHARDING_ARGS)
 
 # PowerSGD's arithmetic per step, kernel by kernel, on ResNet-18's matrices
 # (one process; KERNELS_ARGS='--build OLD.so' times another build alongside).

@@ -66,24 +66,28 @@ LABELS = {'ddp_fp32': 'float32', 'ddp_fp16': 'float16',
 MATCH = 0.97
 
 
-def peer_command(cfg):
-    return [PEERS_PYTHON, '-m', PEER_MODULE, launch.WORKER_FLAG,
-            json.dumps(cfg)]
+def peer_command(cfg, module=PEER_MODULE):
+    """The command line of a PyTorch worker ``module`` (in the peer
+    environment) for ``cfg``."""
+    return [PEERS_PYTHON, '-m', module, launch.WORKER_FLAG, json.dumps(cfg)]
 
 
-def peer_alone_seconds(cfg, batch):
-    """PyTorch's single-rank step time at ``batch``, pinned to core 0."""
+def peer_alone_seconds(cfg, batch, module=PEER_MODULE):
+    """PyTorch's single-rank step time at ``batch``, pinned to core 0
+    (the ``alone`` mode of worker ``module``)."""
     c = dict(cfg, batch=batch, modes=['alone'], warmup=1, settle=0,
              iterations=3, rounds=1)
-    stdout = launch.run_pinned(peer_command(c), 'PyTorch alone, batch {}'
+    stdout = launch.run_pinned(peer_command(c, module),
+                               'PyTorch alone, batch {}'
                                .format(batch), timeout=900)
     raw = launch.read_result(stdout, trainer.RESULT_TAG, 'PyTorch alone')
     return statistics.median(
         bedrun.flatten(raw['modes']['alone']['round_seconds']))
 
 
-def match_batch(cfg, target, log, limit=256):
-    """The smallest batch whose PyTorch step takes >= MATCH x ``target``.
+def match_batch(cfg, target, log, limit=256, module=PEER_MODULE):
+    """The smallest batch whose PyTorch step takes >= MATCH x ``target``
+    (timed with worker ``module``'s ``alone``).
 
     Returns:
         tuple: the batch and every (batch, seconds) measured.
@@ -92,7 +96,7 @@ def match_batch(cfg, target, log, limit=256):
 
     def t(b):
         if b not in seen:
-            seen[b] = peer_alone_seconds(cfg, b)
+            seen[b] = peer_alone_seconds(cfg, b, module)
             log('  PyTorch batch {}: {:.3f} s per step alone'.format(
                 b, seen[b]))
         return seen[b]

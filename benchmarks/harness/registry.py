@@ -25,6 +25,7 @@ STUDIES = (
     ('sharding', 'benchmarks.sharding_bench'),
     ('snapshot', 'benchmarks.snapshot_bench'),
     ('peers', 'benchmarks.peers_bench'),
+    ('peers_sharding', 'benchmarks.peers_sharding'),
     ('hosts_soak', 'benchmarks.hosts_soak'),
     ('spatial', 'benchmarks.spatial_bench'),
     ('channel_tiling', 'benchmarks.channel_tiling_bench'),

@@ -15,9 +15,10 @@ a table reads, is a warning of ``make docs`` (an error under ``-W``: the
 ``source-read`` hook of :func:`setup`) and a failure of
 ``tests/unit/test_docs.py``, which also checks the README's figures.
 
-The tables live in :mod:`bench_optimizer` and :mod:`bench_distconv`, the
-machinery in :mod:`benchcore`.  The functions need only the standard
-library, so tests and the command line use them without Sphinx.
+The tables live in :mod:`bench_optimizer`, :mod:`bench_distconv` and
+:mod:`bench_peers_sharding`, the machinery in :mod:`benchcore`.  The
+functions need only the standard library, so tests and the command line
+use them without Sphinx.
 """
 import os
 import sys
@@ -29,6 +30,8 @@ from benchcore import (  # noqa: E402,F401
     pct, ratio_x, scal, signed_pct, table)
 from bench_distconv import _spatial_runs  # noqa: E402
 from bench_optimizer import MODEL_NAMES, overlap_table  # noqa: E402,F401
+# Registers its table once benchmarks/results/peers_sharding.json exists.
+import bench_peers_sharding  # noqa: E402,F401
 
 
 # ----------------------------------------------------------------------------
