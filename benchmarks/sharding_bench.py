@@ -13,7 +13,9 @@ gradients, optimizer state, buffers), and the *peak* during a step.  For
 ``wait='forward'`` both right after ``update()`` (reductions in flight
 counted) and after ``synchronize()``.  Modes: ChainerMN's
 ``create_multi_node_optimizer``, ours unsharded, and ``shard='optimizer'``,
-``'gradients'``, ``'parameters'``.  The ideal bytes per parameter are
+``'gradients'``, ``'parameters'`` (its default ``shard_prefetch='auto'``,
+and also ``None`` and the least: :data:`STAGE3_VARIANTS`).  The ideal
+bytes per parameter are
 ``16`` (ChainerMN), ``4 + 4 + 8/N``, ``4 + 12/N`` and ``16/N``.
 
 Speed (2 ranks on the network test bed, each pinned to a core, link
@@ -46,12 +48,21 @@ from benchmarks.harness.machine import machine_description  # noqa: E402
 MODULE = 'benchmarks.sharding_bench'
 RESULT_TAG = 'SHARDING_BENCH_RESULT '
 MEMORY_MODES = ['chainermn', 'none', 'optimizer', 'gradients', 'parameters',
-                'gradients_8MiB']
+                'gradients_8MiB', 'parameters_unbounded', 'parameters_lean']
+# Stage 3 with other budgets than the default (shard_prefetch='auto', no
+# bound on gradients in flight): no bound on whole parameters either, and
+# the least (one bucket fetched ahead, two of gradients in flight, as
+# before shard_prefetch).
+STAGE3_VARIANTS = {
+    'unbounded': {'shard_prefetch': None},
+    'lean': {'shard_prefetch': 0, 'shard_in_flight': '8MiB'}}
 # '<shard>_<size>': that shard with shard_in_flight=<size> ('gradients_8MiB':
 # two 4 MiB chunks; the default has no bound for 'gradients').
 SPEED_MODES = ['alone', 'overlap_forward', 'overlap_forward_shard_optimizer',
                'overlap_forward_shard_gradients',
-               'overlap_forward_shard_parameters']
+               'overlap_forward_shard_parameters',
+               'overlap_forward_shard_parameters_unbounded',
+               'overlap_forward_shard_parameters_lean']
 
 
 def ideal(mode, n):
@@ -80,10 +91,11 @@ def _measure(mode, wait, comm, cfg, x, t):
     if mode == 'chainermn':
         opt = chainermn.create_multi_node_optimizer(actual, comm)
     else:
-        shard, _, in_flight = mode.partition('_')
+        shard, _, variant = mode.partition('_')
         opt = chainermn_overlap.create_overlapped_optimizer(
             actual, comm, wait=wait, shard=None if mode == 'none' else shard,
-            shard_in_flight=in_flight or 'auto')
+            **STAGE3_VARIANTS.get(variant, {
+                'shard_in_flight': variant or 'auto'}))
     opt.setup(model)
 
     def lossfun():

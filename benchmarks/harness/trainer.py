@@ -77,14 +77,13 @@ WIRE_OPTIONS = {
 }
 # Stage 3 with less memory or no bound than by default: 'lean' (as before
 # shard_prefetch: one bucket fetched ahead, two buckets of gradients in
-# flight), 'unbounded' (no bound on either), '_prefetch<N>' (N MiB).
+# flight), 'unbounded' (shard_prefetch=None), '_prefetch<N>' (N MiB).
 WIRE_OPTIONS.update({
     'overlap_forward_shard_parameters_lean': lambda: {
         'shard': 'parameters', 'shard_prefetch': 0,
         'shard_in_flight': '8MiB'},
     'overlap_forward_shard_parameters_unbounded': lambda: {
-        'shard': 'parameters', 'shard_prefetch': None,
-        'shard_in_flight': None}})
+        'shard': 'parameters', 'shard_prefetch': None}})
 for _n in (16, 32, 64, 128):
     WIRE_OPTIONS['overlap_forward_shard_parameters_prefetch{}'.format(_n)] = (
         lambda n=_n: {'shard': 'parameters', 'shard_prefetch': n << 20})

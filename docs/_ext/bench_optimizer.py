@@ -229,9 +229,15 @@ SHARD_MODES = [('chainermn', 'ChainerMN'), ('none', 'ours, unsharded'),
                ('parameters', "`shard='parameters'`")]
 
 
-# Memory only: 'gradients' with the bound the default leaves off.
+# Memory only: 'gradients' with the bound the default leaves off; memory
+# and speed: stage 3 with no bound on whole parameters, and the least.
+SHARD_STAGE3_EXTRA = [
+    ('parameters_unbounded', "`'parameters'`, `shard_prefetch=None`"),
+    ('parameters_lean', "`'parameters'`, `shard_prefetch=0`, "
+     "`shard_in_flight='8MiB'`")]
 SHARD_MEMORY_EXTRA = [('gradients_8MiB',
-                       "`'gradients'`, `shard_in_flight='8MiB'`")]
+                       "`'gradients'`, `shard_in_flight='8MiB'`")
+                      ] + SHARD_STAGE3_EXTRA
 
 
 @table('sharding-memory')
@@ -269,8 +275,10 @@ def sharding_speed_table(results=RESULTS):
             continue
         for key, label in [('overlap_forward', 'ours, unsharded')] + [
                 ('overlap_forward_shard_' + k, lbl)
-                for k, lbl in SHARD_MODES[2:]]:
-            r = res['rows'][key]
+                for k, lbl in SHARD_MODES[2:] + SHARD_STAGE3_EXTRA]:
+            r = res['rows'].get(key)
+            if r is None:
+                continue     # results from before the row existed
             diff = r.get('minus_unsharded')
             ci = r.get('minus_unsharded_ci')
             rows.append(['%s (%s)' % (model, res['optimizer']), label,

@@ -7,13 +7,13 @@ rows the study prints and the docs table that renders them (from a result
 made up here).  Two tests start the workers at two ranks under mpiexec:
 PyTorch's (skipped without the peer venv, ``make peers-venv``), whose
 modes must train alike and record the one that does not run here, and the
-memory jobs of both sides.
+memory jobs of both sides.  The docs table that renders a result is
+tested with the pages, in ``test_docs_peers_sharding.py``.
 """
 import json
 import os
 import socket
 import subprocess
-import sys
 
 import pytest
 
@@ -22,10 +22,6 @@ from benchmarks.harness import interleave, peers_torch_shard as pts, trainer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(
     os.path.abspath(__file__))))
-sys.path.insert(0, os.path.join(ROOT, 'docs', '_ext'))
-
-import bench_peers_sharding  # NOQA: E402
-import benchcore  # NOQA: E402
 
 PEERS_PY = os.path.join(ROOT, '.venv-peers', 'bin', 'python')
 MPIEXEC = os.path.join(ROOT, '.venv', 'bin', 'mpiexec')
@@ -198,39 +194,6 @@ def test_the_printed_table_names_the_failed_peer():
     text = '\n'.join(lines)
     assert 'zero1_overlap did not run: ' + ZERO1_OVERLAP_ERROR in text
     assert len([ln for ln in lines if 'stage 2' in ln]) == 2
-
-
-def test_the_docs_table_renders_the_result(tmp_path):
-    with open(tmp_path / 'peers_sharding.json', 'w') as f:
-        json.dump(_made_up_result(), f)
-    t = bench_peers_sharding.peers_sharding_table(str(tmp_path))
-    assert len(t.rows) == 1 + len(ps.PAIRS)
-    assert all(len(r) == len(t.header) for r in t.rows)
-    assert t.sources == ['peers_sharding.json']
-    assert 'ResNet-18 at 128 px' in t.title and 'batch 25' in t.title
-    assert 'batch 2, 64 px' in t.title
-    rows = {r[1]: r for r in t.rows}
-    zero1 = rows['ZeroRedundancyOptimizer']
-    assert zero1[0].startswith('stage 1')
-    assert zero1[2] == '0.800 [0.800, 0.800]'
-    assert zero1[4] == '+0.175 [+0.175, +0.175]'
-    assert zero1[5] == '12.0 / 14.0' and zero1[6] == '20.0 / 22.0'
-    assert zero1[7] == '12.0'
-    failed = rows['ZeroRedundancyOptimizer, `overlap_with_ddp`']
-    assert failed[3] == 'did not run: ' + ZERO1_OVERLAP_ERROR
-    assert failed[4] == failed[6] == '\u2014'
-    assert '| did not run: RuntimeError' in t.markdown()
-
-
-def test_the_docs_table_is_registered_only_with_its_results(tmp_path):
-    try:
-        assert not bench_peers_sharding.register(str(tmp_path))
-        assert 'peers-sharding' not in benchcore.TABLES
-        (tmp_path / 'peers_sharding.json').write_text('{}')
-        assert bench_peers_sharding.register(str(tmp_path))
-        assert 'peers-sharding' in benchcore.TABLES
-    finally:
-        bench_peers_sharding.register()
 
 
 # ---------------------------------------------------------------------------
