@@ -154,24 +154,53 @@ def model_text(config):
 
 
 def sharding_figures(d):
-    """Bytes per parameter each rank holds after an update, at the largest
-    rank count of the result."""
+    """Bytes per parameter each rank holds after an update and at the peak
+    of a step, at the largest rank count of the result; each mode's speed
+    against the unsharded optimizer."""
     mem = d['memory']
     top = max(mem, key=int)
     rows = mem[top]['rows']
     out = {'sharding_ranks': str(top)}
-    for key in ('chainermn', 'none', 'optimizer', 'gradients', 'parameters'):
-        out['sharding_bytes_' + key] = '%.1f' % rows[key + ':update'][
+    for key in ('chainermn', 'none', 'optimizer', 'gradients', 'parameters',
+                'gradients_8MiB', 'parameters_unbounded', 'parameters_lean'):
+        row = rows.get(key + ':update')
+        if row is None:
+            continue     # results from before the row existed
+        out['sharding_bytes_' + key] = '%.1f' % row[
             'bytes_per_param_after_update']
-    # Stages 1 and 2 minus the unsharded optimizer on ResNet-50, with the
-    # interval, as the README quotes them.
-    res = d.get('speed', {}).get('resnet50', {}).get('rows', {})
-    for key in ('optimizer', 'gradients'):
-        r = res.get('overlap_forward_shard_' + key, {})
-        if r.get('minus_unsharded') is not None:
-            out['sharding_resnet50_' + key] = '%+.3f [%+.3f, %+.3f]' % (
-                r['minus_unsharded'], *r['minus_unsharded_ci'])
+        out['sharding_peak_' + key] = '%.1f' % row['peak_bytes_per_param']
+        row = rows.get(key + ':forward')
+        if row is not None:
+            out['sharding_peak_forward_' + key] = '%.1f' % row[
+                'peak_bytes_per_param']
+    # Each mode minus the unsharded optimizer, paired by round, with the
+    # interval, per model (``sharding_resnet50_gradients``), and each
+    # model's link and rounds, as the pages quote them.
+    for model, res in d.get('speed', {}).items():
+        if 'rows' not in res:
+            continue     # a run that failed: its table row says so
+        out['sharding_%s_mbit' % model] = '%.0f' % (
+            res['rate_bit_per_s'] / 1e6)
+        rows = res['rows']
+        base = rows.get('overlap_forward', {})
+        if base.get('scalability_rounds'):
+            out['sharding_%s_rounds' % model] = str(
+                len(base['scalability_rounds']))
+            out['sharding_%s_none_scalability' % model] = '%.3f' % base[
+                'scalability']
+        for key in SHARD_SPEED_KEYS:
+            r = rows.get('overlap_forward_shard_' + key, {})
+            if r.get('minus_unsharded') is not None:
+                out['sharding_%s_%s' % (model, key)] = \
+                    '%+.3f [%+.3f, %+.3f]' % (r['minus_unsharded'],
+                                              *r['minus_unsharded_ci'])
+                out['sharding_%s_%s_scalability' % (model, key)] = \
+                    '%.3f' % r['scalability']
     return out
+
+
+SHARD_SPEED_KEYS = ('optimizer', 'gradients', 'parameters',
+                    'parameters_unbounded', 'parameters_lean')
 
 
 def snapshot_figures(d):

@@ -78,6 +78,8 @@ README_FIGURES = ['compression_rate', 'compression_blocking',
                   'sharding_bytes_optimizer', 'sharding_bytes_gradients',
                   'sharding_bytes_parameters',
                   'sharding_resnet50_optimizer', 'sharding_resnet50_gradients',
+                  'sharding_resnet50_parameters',
+                  'sharding_resnet50_parameters_unbounded',
                   'spatial_speedup_p2', 'spatial_peak_p2']
 
 
