@@ -15,7 +15,10 @@ per parameter on both sides), on two ranks, by ZeRO stage:
 * ours (:mod:`benchmarks.harness.trainer`, ``wait='forward'``, the
   library's default buckets and ``shard_*`` settings): ``alone``, unsharded
   (``overlap_forward``) and ``shard='optimizer'``, ``'gradients'``,
-  ``'parameters'`` (stages 1 to 3);
+  ``'parameters'`` (stages 1 to 3), and ``'parameters'`` with
+  ``shard_prefetch=None``, which shards as FSDP's grad-op modes do
+  (parameters sharded between steps, whole from forward through
+  backward) and is paired with them besides stage 2;
 * PyTorch (:mod:`benchmarks.harness.peers_torch_shard`, gloo, each peer's
   default bucket and prefetch settings, recorded in the result): ``alone``,
   DDP with Adam (unsharded), ``ZeroRedundancyOptimizer`` with and without
@@ -89,13 +92,15 @@ MODULE = 'benchmarks.peers_sharding'
 PEER_MODULE = peers_torch_shard.MODULE
 MEMORY_TAG = peers_torch_shard.MEMORY_TAG
 OURS = ['alone', 'overlap_forward', 'overlap_forward_shard_optimizer',
-        'overlap_forward_shard_gradients', 'overlap_forward_shard_parameters']
+        'overlap_forward_shard_gradients', 'overlap_forward_shard_parameters',
+        'overlap_forward_shard_parameters_unbounded']
 THEIRS = ['alone', 'ddp_adam', 'zero1', 'zero1_overlap', 'fsdp2_grad_op',
           'fsdp1_grad_op', 'fsdp2_full', 'fsdp1_full']
 OUR_STAGE = {'alone': None, 'overlap_forward': 0,
              'overlap_forward_shard_optimizer': 1,
              'overlap_forward_shard_gradients': 2,
-             'overlap_forward_shard_parameters': 3}
+             'overlap_forward_shard_parameters': 3,
+             'overlap_forward_shard_parameters_unbounded': 3}
 STAGE_NAMES = {None: 'one rank alone', 0: 'unsharded',
                1: 'stage 1 (optimizer state)', 2: 'stage 2 (+ gradients)',
                3: 'stage 3 (+ parameters)'}
@@ -106,12 +111,23 @@ PAIRS = [('ddp_adam', 'overlap_forward'),
          ('fsdp2_grad_op', 'overlap_forward_shard_gradients'),
          ('fsdp1_grad_op', 'overlap_forward_shard_gradients'),
          ('fsdp2_full', 'overlap_forward_shard_parameters'),
-         ('fsdp1_full', 'overlap_forward_shard_parameters')]
+         ('fsdp1_full', 'overlap_forward_shard_parameters'),
+         ('fsdp2_grad_op', 'overlap_forward_shard_parameters_unbounded'),
+         ('fsdp1_grad_op', 'overlap_forward_shard_parameters_unbounded')]
+# Pairs across the stages' names that do the same: FSDP's grad-op modes
+# give the whole parameters back after backward (sharded between steps) and
+# keep them whole from forward through backward, which is our stage 3 with
+# shard_prefetch=None, besides our stage 2 (whole between steps too).
+SAME_SHARDING = {
+    ('fsdp2_grad_op', 'overlap_forward_shard_parameters_unbounded'),
+    ('fsdp1_grad_op', 'overlap_forward_shard_parameters_unbounded')}
 # The same glibc and thread settings for both sides' memory jobs.
 MEMORY_ENV = {'MALLOC_MMAP_THRESHOLD_': '65536', 'OMP_NUM_THREADS': '1',
               'OPENBLAS_NUM_THREADS': '1', 'MKL_NUM_THREADS': '1'}
 OUR_SETTINGS = ("wait='forward'; the library's defaults for bucket_size, "
-                "shard_in_flight and stage 3's prefetch budget")
+                "shard_in_flight and stage 3's prefetch budget ('auto'), "
+                "and shard_prefetch=None in "
+                "overlap_forward_shard_parameters_unbounded")
 
 
 def check_pairs(pairs=PAIRS):
@@ -121,7 +137,8 @@ def check_pairs(pairs=PAIRS):
         if theirs not in THEIRS or ours not in OURS:
             raise ValueError('pair ({}, {}) names a mode outside THEIRS {} '
                              'or OURS {}'.format(theirs, ours, THEIRS, OURS))
-        if peers_torch_shard.STAGE[theirs] != OUR_STAGE[ours]:
+        if peers_torch_shard.STAGE[theirs] != OUR_STAGE[ours] and \
+                (theirs, ours) not in SAME_SHARDING:
             raise ValueError('pair ({}, {}) compares stage {} with stage {}:'
                              ' pair modes of the same stage'.format(
                                  theirs, ours, peers_torch_shard.STAGE[
@@ -142,7 +159,7 @@ def selection(stages=(0, 1, 2, 3)):
     ours = ['alone'] + [m for m in OURS[1:] if OUR_STAGE[m] in stages]
     theirs = ['alone'] + [m for m in THEIRS[1:]
                           if peers_torch_shard.STAGE[m] in stages]
-    pairs = [(t, o) for t, o in PAIRS if OUR_STAGE[o] in stages]
+    pairs = [(t, o) for t, o in PAIRS if o in ours and t in theirs]
     return ours, theirs, pairs
 
 

@@ -36,6 +36,9 @@ STAGE_LABELS = {None: 'one rank alone', 0: 'unsharded',
                 1: "stage 1 (`shard='optimizer'`)",
                 2: "stage 2 (`shard='gradients'`)",
                 3: "stage 3 (`shard='parameters'`)"}
+# Our modes whose row names more than their stage.
+OUR_LABELS = {'overlap_forward_shard_parameters_unbounded':
+              "stage 3, `shard_prefetch=None` (as FSDP's grad-op sharding)"}
 DASH = '\u2014'
 
 
@@ -70,7 +73,7 @@ def peers_sharding_rows(d):
             theirs = _iv(r['theirs_scalability'])
             diff = _iv(r['difference'], signed=True)
         ideal = r['ideal_bytes_per_param']
-        rows.append([STAGE_LABELS[r['stage']],
+        rows.append([OUR_LABELS.get(r['ours'], STAGE_LABELS[r['stage']]),
                      PEER_LABELS.get(r['theirs'], r['theirs']),
                      _iv(r['ours_scalability']), theirs, diff,
                      _memory(r.get('ours_memory')),
@@ -105,6 +108,31 @@ def peers_sharding_table(results=RESULTS):
                   'ours - theirs', 'ours: B/param (persistent / peak)',
                   'PyTorch: B/param (persistent / peak)', 'ideal B/param'],
                  peers_sharding_rows(d), [SOURCE])
+
+
+def figures(results=RESULTS):
+    """The figures the pages quote from the study, by pair
+    (``peers_sharding_<theirs>__<ours short>_diff``, ``..._ours``,
+    ``..._theirs``, ``..._ours_mem``, ``..._theirs_mem``), and its link and
+    rounds; none without the file."""
+    if not os.path.isfile(os.path.join(results, SOURCE)):
+        return {}
+    d = load(SOURCE, results)
+    out = {'peers_sharding_rate': mbit(d['rate_bit_per_s']),
+           'peers_sharding_rounds': str(d['config']['rounds'])}
+    for r in d['stages']:
+        if r['theirs'] == 'alone':
+            continue
+        key = 'peers_sharding_%s__%s' % (
+            r['theirs'], r['ours'].replace('overlap_forward_shard_', '')
+            .replace('overlap_forward', 'none'))
+        if not r['theirs_error']:
+            out[key + '_diff'] = _iv(r['difference'], signed=True)
+            out[key + '_theirs_mem'] = _memory(r.get('theirs_memory'))
+            out[key + '_theirs'] = _iv(r['theirs_scalability'])
+        out[key + '_ours_mem'] = _memory(r.get('ours_memory'))
+        out[key + '_ours'] = _iv(r['ours_scalability'])
+    return out
 
 
 def register(results=RESULTS):

@@ -31,7 +31,7 @@ from benchcore import (  # noqa: E402,F401
 from bench_distconv import _spatial_runs  # noqa: E402
 from bench_optimizer import MODEL_NAMES, overlap_table  # noqa: E402,F401
 # Registers its table once benchmarks/results/peers_sharding.json exists.
-import bench_peers_sharding  # noqa: E402,F401
+import bench_peers_sharding  # noqa: E402
 
 
 # ----------------------------------------------------------------------------
@@ -128,6 +128,7 @@ def figures(results=RESULTS):
         'soak_faults': str(soak['checks']['faults']),
         **sharding_figures(shard),
         **snapshot_figures(load('snapshot.json', results)),
+        **bench_peers_sharding.figures(results),
         'soak_cut_end': soak_end(('cut',)),
         'soak_kill_end': soak_end(('kill', 'lose')),
         'soak_median_s': '%.1f' % soak['recovery_less_watchdog_median_s'],

@@ -40,6 +40,14 @@ def test_the_docs_table_renders_the_result(tmp_path):
     assert failed[3] == 'did not run: ' + ZERO1_OVERLAP_ERROR
     assert failed[4] == failed[6] == '\u2014'
     assert '| did not run: RuntimeError' in t.markdown()
+    # FSDP's grad-op modes appear twice: against stage 2 and against our
+    # stage 3 without a prefetch bound, which shards as they do.
+    grad_op = [r for r in t.rows if r[1] == 'FSDP1 `SHARD_GRAD_OP`']
+    assert [r[0] for r in grad_op] == [
+        "stage 2 (`shard='gradients'`)",
+        "stage 3, `shard_prefetch=None` (as FSDP's grad-op sharding)"]
+    assert grad_op[1][2] == '%.3f [%.3f, %.3f]' % ((1 / 1.35,) * 3)
+    assert grad_op[1][7] == '8.0'
 
 
 def test_the_docs_table_is_registered_only_with_its_results(tmp_path):

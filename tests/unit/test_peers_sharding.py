@@ -43,6 +43,12 @@ def test_pairs_compare_the_same_stage():
 def test_a_pair_of_different_stages_is_refused():
     with pytest.raises(ValueError, match='stage 3 with stage 1'):
         ps.check_pairs([('fsdp2_full', 'overlap_forward_shard_optimizer')])
+    # Only the pairs that shard alike may cross the stages' names.
+    with pytest.raises(ValueError, match='stage 2 with stage 3'):
+        ps.check_pairs([('fsdp2_grad_op',
+                         'overlap_forward_shard_parameters')])
+    ps.check_pairs([('fsdp2_grad_op',
+                     'overlap_forward_shard_parameters_unbounded')])
     with pytest.raises(ValueError, match='outside'):
         ps.check_pairs([('ddp_fp32', 'overlap_forward')])
 
@@ -58,10 +64,17 @@ def test_the_modes_exist_on_each_side():
 
 def test_selection_keeps_alone_and_the_stages_asked_for():
     ours, theirs, pairs = ps.selection([3])
-    assert ours == ['alone', 'overlap_forward_shard_parameters']
+    assert ours == ['alone', 'overlap_forward_shard_parameters',
+                    'overlap_forward_shard_parameters_unbounded']
     assert theirs == ['alone', 'fsdp2_full', 'fsdp1_full']
     assert pairs == [('fsdp2_full', 'overlap_forward_shard_parameters'),
                      ('fsdp1_full', 'overlap_forward_shard_parameters')]
+    # FSDP's grad-op modes meet our stage 3 without prefetch bound only
+    # when both stages are asked for.
+    ours, theirs, pairs = ps.selection([2, 3])
+    assert ('fsdp1_grad_op',
+            'overlap_forward_shard_parameters_unbounded') in pairs
+    assert ('fsdp1_grad_op', 'overlap_forward_shard_gradients') in pairs
     assert ps.selection() == (ps.OURS, ps.THEIRS, ps.PAIRS)
     with pytest.raises(ValueError, match='do not exist'):
         ps.selection([4])
@@ -140,7 +153,7 @@ def _summary(modes, alone_s, step_s):
 
 
 def _made_up_result():
-    ours_s = dict(zip(ps.OURS[1:], (1.2, 1.25, 1.3, 2.0)))
+    ours_s = dict(zip(ps.OURS[1:], (1.2, 1.25, 1.3, 2.0, 1.35)))
     theirs_s = {'ddp_adam': 1.4, 'zero1': 1.6, 'fsdp2_grad_op': 1.7,
                 'fsdp1_grad_op': 1.8, 'fsdp2_full': 2.5, 'fsdp1_full': 2.6}
     ran = ['alone'] + list(theirs_s)
