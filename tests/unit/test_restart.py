@@ -213,7 +213,10 @@ def test_hung_rank_caught_by_the_watchdog(tmp_path, tmp_path_factory):
     assert [i[:4] for i in injections(out)] == [('hang', 10, 1, 0)], out
     reason = endings(out)[0]
     assert 'raised CommunicationTimeout' in reason, out
-    assert 'timed out after 3.0 s' in reason, out
+    # The watchdog names the time it waited: the timeout, or a little more
+    # on a loaded machine (CI saw 3.1 s).
+    waited = re.search(r'timed out after ([\d.]+) s', reason)
+    assert waited and 3.0 <= float(waited.group(1)) < 10.0, out
     assert_finished(code, out)
     assert_bit_identical(result, reference(tmp_path_factory))
     recovery_times(out)
