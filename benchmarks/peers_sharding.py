@@ -111,16 +111,15 @@ PAIRS = [('ddp_adam', 'overlap_forward'),
          ('fsdp2_grad_op', 'overlap_forward_shard_gradients'),
          ('fsdp1_grad_op', 'overlap_forward_shard_gradients'),
          ('fsdp2_full', 'overlap_forward_shard_parameters'),
-         ('fsdp1_full', 'overlap_forward_shard_parameters'),
-         ('fsdp2_grad_op', 'overlap_forward_shard_parameters_unbounded'),
-         ('fsdp1_grad_op', 'overlap_forward_shard_parameters_unbounded')]
+         ('fsdp1_full', 'overlap_forward_shard_parameters')]
 # Pairs across the stages' names that do the same: FSDP's grad-op modes
 # give the whole parameters back after backward (sharded between steps) and
 # keep them whole from forward through backward, which is our stage 3 with
 # shard_prefetch=None, besides our stage 2 (whole between steps too).
-SAME_SHARDING = {
+SAME_SHARDING = [
     ('fsdp2_grad_op', 'overlap_forward_shard_parameters_unbounded'),
-    ('fsdp1_grad_op', 'overlap_forward_shard_parameters_unbounded')}
+    ('fsdp1_grad_op', 'overlap_forward_shard_parameters_unbounded')]
+PAIRS += SAME_SHARDING
 # The same glibc and thread settings for both sides' memory jobs.
 MEMORY_ENV = {'MALLOC_MMAP_THRESHOLD_': '65536', 'OMP_NUM_THREADS': '1',
               'OPENBLAS_NUM_THREADS': '1', 'MKL_NUM_THREADS': '1'}

@@ -14,7 +14,7 @@ gradients, optimizer state, buffers), and the *peak* during a step.  For
 counted) and after ``synchronize()``.  Modes: ChainerMN's
 ``create_multi_node_optimizer``, ours unsharded, and ``shard='optimizer'``,
 ``'gradients'``, ``'parameters'`` (its default ``shard_prefetch='auto'``,
-and also ``None`` and the least: :data:`STAGE3_VARIANTS`).  The ideal
+and also ``None`` and the least: :func:`stage3_options`).  The ideal
 bytes per parameter are
 ``16`` (ChainerMN), ``4 + 4 + 8/N``, ``4 + 12/N`` and ``16/N``.
 
@@ -52,10 +52,17 @@ MEMORY_MODES = ['chainermn', 'none', 'optimizer', 'gradients', 'parameters',
 # Stage 3 with other budgets than the default (shard_prefetch='auto', no
 # bound on gradients in flight): no bound on whole parameters either, and
 # the least (one bucket fetched ahead, two of gradients in flight, as
-# before shard_prefetch).
-STAGE3_VARIANTS = {
-    'unbounded': {'shard_prefetch': None},
-    'lean': {'shard_prefetch': 0, 'shard_in_flight': '8MiB'}}
+# before shard_prefetch); the options are the trainer's for the same modes.
+STAGE3_VARIANTS = ('unbounded', 'lean')
+
+
+def stage3_options(variant):
+    """The ``shard_*`` options of stage 3's ``variant``."""
+    from benchmarks.harness import trainer
+    opts = trainer.WIRE_OPTIONS['overlap_forward_shard_parameters_'
+                                + variant]()
+    del opts['shard']
+    return opts
 # '<shard>_<size>': that shard with shard_in_flight=<size> ('gradients_8MiB':
 # two 4 MiB chunks; the default has no bound for 'gradients').
 SPEED_MODES = ['alone', 'overlap_forward', 'overlap_forward_shard_optimizer',
@@ -94,8 +101,8 @@ def _measure(mode, wait, comm, cfg, x, t):
         shard, _, variant = mode.partition('_')
         opt = chainermn_overlap.create_overlapped_optimizer(
             actual, comm, wait=wait, shard=None if mode == 'none' else shard,
-            **STAGE3_VARIANTS.get(variant, {
-                'shard_in_flight': variant or 'auto'}))
+            **(stage3_options(variant) if variant in STAGE3_VARIANTS
+               else {'shard_in_flight': variant or 'auto'}))
     opt.setup(model)
 
     def lossfun():

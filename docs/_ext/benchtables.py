@@ -29,7 +29,9 @@ from benchcore import (  # noqa: E402,F401
     RESULTS, TABLES, Table, f2, f3, interval_text, load, machine_text, mbit,
     pct, ratio_x, scal, signed_pct, table)
 from bench_distconv import _spatial_runs  # noqa: E402
-from bench_optimizer import MODEL_NAMES, overlap_table  # noqa: E402,F401
+from bench_optimizer import (  # noqa: E402,F401
+    MODEL_NAMES, SHARD_MEMORY_EXTRA, SHARD_MODES, SHARD_STAGE3_EXTRA,
+    overlap_table)
 # Registers its table once benchmarks/results/peers_sharding.json exists.
 import bench_peers_sharding  # noqa: E402
 
@@ -162,8 +164,7 @@ def sharding_figures(d):
     top = max(mem, key=int)
     rows = mem[top]['rows']
     out = {'sharding_ranks': str(top)}
-    for key in ('chainermn', 'none', 'optimizer', 'gradients', 'parameters',
-                'gradients_8MiB', 'parameters_unbounded', 'parameters_lean'):
+    for key, _ in SHARD_MODES + SHARD_MEMORY_EXTRA:
         row = rows.get(key + ':update')
         if row is None:
             continue     # results from before the row existed
@@ -182,15 +183,15 @@ def sharding_figures(d):
             continue     # a run that failed: its table row says so
         out['sharding_%s_mbit' % model] = '%.0f' % (
             res['rate_bit_per_s'] / 1e6)
-        rows = res['rows']
-        base = rows.get('overlap_forward', {})
+        speed = res['rows']
+        base = speed.get('overlap_forward', {})
         if base.get('scalability_rounds'):
             out['sharding_%s_rounds' % model] = str(
                 len(base['scalability_rounds']))
             out['sharding_%s_none_scalability' % model] = '%.3f' % base[
                 'scalability']
-        for key in SHARD_SPEED_KEYS:
-            r = rows.get('overlap_forward_shard_' + key, {})
+        for key, _ in SHARD_MODES[2:] + SHARD_STAGE3_EXTRA:
+            r = speed.get('overlap_forward_shard_' + key, {})
             if r.get('minus_unsharded') is not None:
                 out['sharding_%s_%s' % (model, key)] = \
                     '%+.3f [%+.3f, %+.3f]' % (r['minus_unsharded'],
@@ -198,10 +199,6 @@ def sharding_figures(d):
                 out['sharding_%s_%s_scalability' % (model, key)] = \
                     '%.3f' % r['scalability']
     return out
-
-
-SHARD_SPEED_KEYS = ('optimizer', 'gradients', 'parameters',
-                    'parameters_unbounded', 'parameters_lean')
 
 
 def snapshot_figures(d):
