@@ -1,6 +1,10 @@
 # Set-up and entry points. `make demo` and `make test` do all installation
-# themselves on a machine that has only Python 3.11.
-PYTHON ?= python3
+# themselves on a machine that has only Python (3.11, 3.12 or 3.13).
+# PYTHON=python3.12 names the interpreter; without it python3 is used when
+# it is one of those, else the Makefile looks for one (tools/python.sh says
+# which it took, or stops naming the versions that work).  A .venv of
+# another Python than the one named is replaced.
+PYTHON ?=
 VENV := .venv
 PY := $(VENV)/bin/python
 MPIEXEC := $(VENV)/bin/mpiexec
@@ -17,11 +21,15 @@ export TEST_TIMEOUT
 .PHONY: venv demo test test-unit test-commands test-mpi test-netbed bench \
 	bench-deps clean docs docs-deps test-wheel
 
-venv: $(STAMP)
+.PHONY: venv-python
+venv: venv-python $(STAMP)
+
+venv-python:
+	@sh tools/python.sh venv $(VENV) "$(PYTHON)"
 
 $(STAMP): requirements.txt requirements-test.txt constraints.txt setup.py pyproject.toml \
-		chainermn_overlap/_native.c
-	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+		chainermn_overlap/_native.c _chainermn_overlap_compat.py chainermn_overlap-compat.pth
+	@sh tools/python.sh venv $(VENV) "$(PYTHON)"
 	$(PY) -m pip install -q -r requirements.txt -r requirements-test.txt
 	$(PY) -m pip install -q --no-deps -e .
 	touch $(STAMP)
@@ -149,7 +157,7 @@ docs-figures: venv
 # the package source (tests/wheel_check.py says each step).
 test-wheel: venv
 	@$(PY) -c 'import build' 2>/dev/null || $(PY) -m pip install -q build
-	$(PY) tests/wheel_check.py --python $(PYTHON)
+	$(PY) tests/wheel_check.py --python "$$(sh tools/python.sh find "$(PYTHON)")"
 
 # Spatial parallelism (distconv): strong and weak scaling at 1, 2 and 4
 # processes, memory per process, exposed halo time with overlap on/off;
@@ -223,7 +231,7 @@ PEERS_STAMP := $(PEERS_VENV)/.installed
 peers-venv: $(PEERS_STAMP)
 
 $(PEERS_STAMP):
-	test -x $(PEERS_VENV)/bin/python || $(PYTHON) -m venv $(PEERS_VENV)
+	@sh tools/python.sh venv $(PEERS_VENV) "$(PYTHON)"
 	env -u PIP_CONSTRAINT -u PIP_BUILD_CONSTRAINT \
 	    $(PEERS_VENV)/bin/python -m pip install -q torch==2.13.0 'numpy<2'
 	touch $(PEERS_STAMP)

@@ -60,6 +60,13 @@ inspector) must agree between ranks.
     even where they were built; numpy does the same arithmetic.  Default
     on.  The float16 results are bit-identical either way; PowerSGD's sums
     are rounded in another order, so give every rank the same setting.
+``CHAINERMN_OVERLAP_NO_COMPAT`` (:data:`NO_COMPAT_ENV`)
+    ``1``: the start-up file ``chainermn_overlap-compat.pth`` leaves
+    Chainer's imports alone (no stand-ins for ``numpy.distutils`` and
+    ``pkg_resources`` where they are missing; then ``import chainer`` fails
+    on Python 3.12+).  Read at interpreter start-up by the top-level module
+    ``_chainermn_overlap_compat``, which cannot import this package (it
+    must act before Chainer is imported); the name is the same constant.
 ``CHAINERMN_OVERLAP_TEST_OPTIMIZER`` (:data:`TEST_OPTIMIZER_ENV`)
     Test suite only (:mod:`chainermn_overlap.testing.equivalence`): the
     optimizer under test, ``overlap`` (default) or ``chainermn`` (validates
@@ -84,7 +91,7 @@ __all__ = [
     'ABORT_ON_EXCEPTION_ENV', 'DEBUG_ENV', 'DEFAULT_TIMEOUT',
     'EMULATION_DEFAULTS', 'EMULATION_ENV', 'ENVIRONMENT_VARIABLES',
     'LAUNCH_DEATHS_ENV', 'LAUNCH_ID_ENV', 'LAUNCH_KEY_ENV', 'LOCAL_RANK_ENV',
-    'NATIVE_ENV',
+    'NATIVE_ENV', 'NO_COMPAT_ENV',
     'PROGRESS_FILE_ENV', 'RESTART_ENV', 'STALL_WARNING_ENV',
     'TEST_LOGDIR_ENV', 'TEST_OPTIMIZER_ENV', 'TEST_SHARD_ENV',
     'TIMEOUT_ENV', 'parse_delay', 'parse_duration',
@@ -108,6 +115,7 @@ LAUNCH_ID_ENV = 'CHAINERMN_OVERLAP_LAUNCH_ID'
 LAUNCH_KEY_ENV = 'CHAINERMN_OVERLAP_LAUNCH_KEY'
 LOCAL_RANK_ENV = 'CHAINERMN_OVERLAP_LOCAL_RANK'
 NATIVE_ENV = 'CHAINERMN_OVERLAP_NATIVE'
+NO_COMPAT_ENV = 'CHAINERMN_OVERLAP_NO_COMPAT'
 TEST_OPTIMIZER_ENV = 'CHAINERMN_OVERLAP_TEST_OPTIMIZER'
 TEST_LOGDIR_ENV = 'CHAINERMN_OVERLAP_LOGDIR'
 TEST_SHARD_ENV = 'CHAINERMN_OVERLAP_TEST_SHARD'
@@ -115,7 +123,7 @@ ENVIRONMENT_VARIABLES = (
     TIMEOUT_ENV, STALL_WARNING_ENV, DEBUG_ENV, EMULATION_ENV,
     ABORT_ON_EXCEPTION_ENV, RESTART_ENV, PROGRESS_FILE_ENV,
     LAUNCH_DEATHS_ENV, LAUNCH_ID_ENV, LAUNCH_KEY_ENV, LOCAL_RANK_ENV,
-    NATIVE_ENV,
+    NATIVE_ENV, NO_COMPAT_ENV,
     TEST_OPTIMIZER_ENV,
     TEST_LOGDIR_ENV, TEST_SHARD_ENV)
 

@@ -1,0 +1,254 @@
+"""Chainer 7.8.1 on Python 3.12+: the start-up stand-ins and the Python picker.
+
+``_chainermn_overlap_compat`` (run at start-up by
+``chainermn_overlap-compat.pth``) serves ``numpy.distutils.system_info`` and
+``pkg_resources`` to Chainer where they are missing.  On Python 3.12 and
+3.13 ``numpy.distutils`` is really missing, and the tests below show the
+failure without the stand-ins (``CHAINERMN_OVERLAP_NO_COMPAT=1``) before
+they show it gone; on 3.11 a finder that hides a module reproduces the
+absence (its negative control fails the same way).  ``tools/python.sh`` is
+the Makefile's choice of interpreter.
+"""
+import os
+import subprocess
+import sys
+import sysconfig
+import textwrap
+
+import pytest
+
+import _chainermn_overlap_compat as compat
+from chainermn_overlap import config
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(
+    os.path.abspath(__file__))))
+NEW_PYTHON = sys.version_info >= (3, 12)
+
+# A finder put first on sys.meta_path that makes the named modules missing,
+# as numpy.distutils is on Python 3.12+ and pkg_resources with setuptools 82+:
+# only the stand-ins' finder is asked about them (when it is installed).
+HIDE = textwrap.dedent('''
+    import sys
+    import _chainermn_overlap_compat as compat
+    HIDDEN = %r
+
+    class Hide(object):
+        def find_spec(self, name, path=None, target=None):
+            if not any(name == h or name.startswith(h + '.') for h in HIDDEN):
+                return None
+            for finder in sys.meta_path:
+                if isinstance(finder, compat.StandInFinder):
+                    spec = finder.find_spec(name, path, target)
+                    if spec is not None:
+                        return spec
+            raise ModuleNotFoundError('No module named %%r' %% name, name=name)
+
+    for name in list(sys.modules):
+        if any(name == h or name.startswith(h + '.') for h in HIDDEN):
+            del sys.modules[name]
+    sys.meta_path.insert(0, Hide())
+    if %r:     # (the start-up file's install() is off: NO_COMPAT is set)
+        sys.meta_path.append(compat._FINDER)
+''')
+
+TRAIN = textwrap.dedent('''
+    import chainer
+    import chainer.functions as F
+    import chainer.links as L
+    import chainermn
+    import numpy as np
+    model = L.Linear(3, 2)
+    opt = chainer.optimizers.Adam()
+    opt.setup(model)
+    x = np.ones((4, 3), np.float32)
+    loss = F.sum(F.max_pooling_2d(
+        F.convolution_2d(x.reshape(1, 1, 4, 3), np.ones((1, 1, 2, 2), np.float32)),
+        2, cover_all=False)) + F.sum(model(x))
+    model.cleargrads()
+    loss.backward()
+    opt.update()
+    print('trained', chainer.__version__)
+''')
+
+
+def run(code, disable=True, env=None):
+    environ = dict(os.environ, **(env or {}))
+    environ.pop('PYTHONPATH', None)
+    if disable:
+        environ[config.NO_COMPAT_ENV] = '1'
+    else:
+        environ.pop(config.NO_COMPAT_ENV, None)
+    return subprocess.run([sys.executable, '-c', code], cwd=ROOT, env=environ,
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                          universal_newlines=True, timeout=120)
+
+
+@pytest.mark.parametrize('hidden', [
+    ('numpy.distutils',), ('pkg_resources',),
+    ('numpy.distutils', 'pkg_resources')])
+def test_chainer_trains_with_the_modules_missing(hidden):
+    without = run(HIDE % (hidden, False) + TRAIN)
+    assert without.returncode != 0
+    assert "No module named '%s" % hidden[0] in without.stdout, without.stdout
+    done = run(HIDE % (hidden, True) + TRAIN + textwrap.dedent('''
+        for name in %r:
+            assert sys.modules[name].__chainermn_overlap_stand_in__, name
+    ''' % (hidden,)))
+    assert done.returncode == 0, done.stdout
+    assert 'trained 7.8.1' in done.stdout
+
+
+def test_other_importers_still_find_them_missing():
+    hidden = ('numpy.distutils', 'pkg_resources')
+    probe = run(HIDE % (hidden, True) + textwrap.dedent('''
+        import importlib
+        for name in ('numpy.distutils', 'numpy.distutils.system_info',
+                     'pkg_resources'):
+            for how in ('import', 'import_module'):
+                try:
+                    if how == 'import':
+                        exec('import ' + name)
+                    else:
+                        importlib.import_module(name)
+                except ImportError:
+                    pass
+                else:
+                    raise SystemExit('%s served to a program by %s' % (name, how))
+        import chainer
+        print('missing for the program, served to chainer')
+    '''))
+    assert probe.returncode == 0, probe.stdout
+    assert 'missing for the program, served to chainer' in probe.stdout
+
+
+def test_the_start_up_file_is_installed_and_installs_the_finder():
+    purelib = sysconfig.get_paths()['purelib']
+    assert os.path.isfile(os.path.join(purelib, 'chainermn_overlap-compat.pth'))
+    check = ('import sys, _chainermn_overlap_compat as c; '
+             'print(sum(isinstance(f, c.StandInFinder) for f in sys.meta_path), '
+             'sys.meta_path[-1] is c._FINDER)')
+    assert run(check, disable=False).stdout.split() == ['1', 'True']
+    assert run(check, disable=True).stdout.split() == ['0', 'False']
+    for off in ('0', 'off', ''):
+        out = run(check, disable=False, env={config.NO_COMPAT_ENV: off})
+        assert out.stdout.split() == ['1', 'True'], off
+
+
+def test_the_variable_is_the_configs():
+    assert compat.DISABLE_ENV == config.NO_COMPAT_ENV
+
+
+@pytest.mark.skipif(not NEW_PYTHON, reason='numpy.distutils exists on '
+                    'Python < 3.12 (the tests above hide it instead)')
+def test_on_this_python_chainer_needs_the_stand_in():
+    without = run('import chainer')
+    assert without.returncode != 0
+    assert "No module named 'numpy.distutils'" in without.stdout
+    done = run(TRAIN + textwrap.dedent('''
+        import sys
+        assert sys.modules['numpy.distutils'].__chainermn_overlap_stand_in__
+        import chainermn_overlap
+    '''), disable=False)
+    assert done.returncode == 0, done.stdout
+    assert 'trained 7.8.1' in done.stdout
+
+
+def test_pkg_resources_stand_in_checks_versions():
+    import types
+    module = types.ModuleType('pkg_resources')
+    compat._fill_pkg_resources(module)
+    import numpy
+    assert module.get_distribution('numpy').version == numpy.__version__
+    assert [d.version for d in module.require('numpy>=1.0,<3')] == [
+        numpy.__version__]
+    assert module.WorkingSet().require('numpy')[0].project_name == 'numpy'
+    with pytest.raises(module.DistributionNotFound):
+        module.require('no-such-distribution-here>=1')
+    try:
+        import packaging.specifiers  # noqa: F401
+    except ImportError:
+        pytest.skip('packaging is not installed: versions are not compared')
+    with pytest.raises(module.VersionConflict):
+        module.require('numpy>=99')
+    assert issubclass(module.VersionConflict, module.ResolutionError)
+
+
+# ---------------------------------------------------------------------------
+# tools/python.sh: the Makefile's interpreter
+
+def fake_python(folder, name, version):
+    """A ``name`` in ``folder`` that runs this Python, claiming ``version``."""
+    path = os.path.join(folder, name)
+    with open(path, 'w') as f:
+        f.write('#!/bin/sh\n[ "$1" = -c ] && shift && exec %s -c '
+                '"import sys; sys.version_info = %r; exec(sys.argv[1])" "$1"\n'
+                'exec %s "$@"\n' % (sys.executable, version, sys.executable))
+    os.chmod(path, 0o755)
+
+
+def pick(folder, *args):
+    env = {'PATH': folder + ':/usr/bin:/bin', 'HOME': folder}
+    return subprocess.run(['sh', os.path.join(ROOT, 'tools', 'python.sh')]
+                          + list(args), env=env, stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, universal_newlines=True,
+                          timeout=60)
+
+
+@pytest.fixture
+def pythons(tmp_path):
+    folder = str(tmp_path)
+    for name in ('python3', 'python3.13', 'python3.12', 'python3.11'):
+        if os.path.exists('/usr/bin/' + name):
+            # One that pick() would find on /usr/bin: the folder's own first.
+            fake_python(folder, name, (3, 9, 0))
+    return folder
+
+
+def test_python3_usable_is_taken(pythons):
+    fake_python(pythons, 'python3', (3, 12, 1))
+    out = pick(pythons, 'find')
+    assert out.returncode == 0 and out.stdout.strip() == pythons + '/python3'
+    assert out.stderr == ''
+
+
+def test_an_old_python3_is_passed_over_saying_so(pythons):
+    fake_python(pythons, 'python3', (3, 10, 13))
+    fake_python(pythons, 'python3.12', (3, 12, 1))
+    out = pick(pythons, 'find')
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == pythons + '/python3.12'
+    assert out.stderr.strip() == ('python3 is Python 3.10: using %s/python3.12 '
+                                  '(Python 3.12)' % pythons)
+
+
+@pytest.mark.parametrize('version', [(3, 10, 13), (3, 14, 0)])
+def test_no_usable_python_stops_in_one_line(pythons, version):
+    fake_python(pythons, 'python3', version)
+    out = pick(pythons, 'find')
+    assert out.returncode == 1 and out.stdout == ''
+    lines = out.stderr.strip().splitlines()
+    assert lines == ['no Python 3.11, 3.12 or 3.13 found (python3 is Python '
+                     '%d.%d): install one and run make '
+                     'PYTHON=/path/to/python3.12' % version[:2]]
+    named = pick(pythons, 'find', 'python3')
+    assert named.returncode == 1
+    assert named.stderr.strip().splitlines() == [
+        'PYTHON=python3 is Python %d.%d: chainermn_overlap needs Python 3.11, '
+        '3.12 or 3.13 (what Chainer 7.8.1 runs on); name one, e.g. make '
+        'PYTHON=python3.12' % version[:2]]
+
+
+def test_a_venv_of_another_python_is_replaced(pythons, tmp_path):
+    fake_python(pythons, 'python3.13', (3, 13, 0))
+    venv = str(tmp_path / 'venv')
+    os.makedirs(venv + '/bin')
+    fake_python(venv + '/bin', 'python', (3, 11, 7))
+    kept = pick(pythons, 'venv', venv, '')
+    assert kept.returncode == 0 and kept.stderr == ''
+    assert os.path.exists(venv + '/bin/python')
+    # Named, another version: replaced (the new venv is of this Python).
+    out = pick(pythons, 'venv', venv, 'python3.13')
+    assert out.returncode == 0, out.stderr
+    assert out.stderr.startswith('replacing %s (Python 3.11) by a venv of '
+                                 'Python 3.13' % venv)
+    assert os.path.exists(venv + '/pyvenv.cfg')
