@@ -22,7 +22,9 @@ Setting the environment variable ``CHAINERMN_OVERLAP_ABORT_ON_EXCEPTION=1``
 ``chainermn_overlap`` is imported.
 """
 import fcntl
+import math
 import os
+import signal
 import stat
 import struct
 import sys
@@ -95,6 +97,29 @@ def _wait_until_read(fds=(1, 2), limit=_DRAIN_SECONDS):
         time.sleep(0.005)
 
 
+def _end_later(code):
+    """Ends this process in ``_ABORT_GRACE_SECONDS`` unless it ended before.
+
+    A timer thread exits with ``code``.  Python 3.12 and later start no
+    thread at interpreter shutdown, which is when the atexit handlers that
+    abort a job with a stuck collective run (RuntimeError: can't create new
+    thread at interpreter shutdown); then the kernel's alarm ends the
+    process instead (killed by SIGALRM), which no hung C call can delay.
+    """
+    try:
+        timer = threading.Timer(_ABORT_GRACE_SECONDS, os._exit, (code,))
+        timer.daemon = True
+        timer.start()
+        return
+    except RuntimeError:
+        pass
+    try:
+        signal.signal(signal.SIGALRM, signal.SIG_DFL)
+        signal.alarm(int(math.ceil(_ABORT_GRACE_SECONDS)))
+    except ValueError:  # not the main thread: MPI_Abort or os._exit it is
+        pass
+
+
 def abort_job(reason: str, code: int = ABORT_CODE) -> NoReturn:
     """Writes ``reason`` to stderr and ends every rank of the MPI job.
 
@@ -120,9 +145,7 @@ def abort_job(reason: str, code: int = ABORT_CODE) -> NoReturn:
     _wait_until_read()
     # If MPI_Abort hangs (seen with broken networks in some MPIs), still
     # end this process; the launcher then ends the others.
-    timer = threading.Timer(_ABORT_GRACE_SECONDS, os._exit, (code,))
-    timer.daemon = True
-    timer.start()
+    _end_later(code)
     if MPI is not None:
         try:
             MPI.COMM_WORLD.Abort(code)

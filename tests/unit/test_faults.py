@@ -206,3 +206,36 @@ def test_abort_waits_for_the_reader_of_piped_output():
         os.close(w)
     with open(__file__, 'rb') as f:   # a file keeps what it is given
         assert abort._unread(f.fileno()) == 0
+
+
+@pytest.mark.parametrize('fallback', [True, False])
+def test_abort_ends_the_process_when_no_thread_can_start(fallback):
+    # Python 3.12+ starts no thread at interpreter shutdown, when the atexit
+    # handler aborts a job whose collective is stuck: abort's timer that
+    # ends a hung MPI_Abort then cannot start (on 3.12 the 'no_abort_hook'
+    # fault tests failed with "can't create new thread at interpreter
+    # shutdown").  Reproduced here on any Python by refusing the thread; an
+    # MPI_Abort that never returns is a sleep.  Without the alarm
+    # (fallback=False, the negative control) the process outlives the grace.
+    code = '''if 1:
+        import threading, time
+        from chainermn_overlap import abort
+        def refuse(self):
+            raise RuntimeError("can't create new thread at interpreter shutdown")
+        threading.Thread.start = refuse
+        abort._ABORT_GRACE_SECONDS = 1.0
+        if not %r:
+            abort.signal.alarm = lambda seconds: 0
+        abort._end_later(3)
+        time.sleep(20)   # a hung MPI_Abort
+    ''' % fallback
+    t0 = time.monotonic()
+    try:
+        proc = subprocess.run([sys.executable, '-c', code], timeout=8,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    except subprocess.TimeoutExpired:
+        assert not fallback, 'the process outlived the grace by 7 s'
+        return
+    assert fallback, proc.stdout
+    assert proc.returncode == -signal.SIGALRM, proc.stdout
+    assert time.monotonic() - t0 < 6.0
