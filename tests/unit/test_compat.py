@@ -26,17 +26,20 @@ NEW_PYTHON = sys.version_info >= (3, 12)
 
 # A finder put first on sys.meta_path that makes the named modules missing,
 # as numpy.distutils is on Python 3.12+ and pkg_resources with setuptools 82+:
-# only the stand-ins' finder is asked about them (when it is installed).
+# only the stand-ins' finder is asked about them, and only when SERVE (else
+# they stay missing: the negative control).  The stand-ins' finder is at the
+# end of sys.meta_path in both cases, for what this Python lacks anyway.
 HIDE = textwrap.dedent('''
     import sys
     import _chainermn_overlap_compat as compat
     HIDDEN = %r
+    SERVE = %r
 
     class Hide(object):
         def find_spec(self, name, path=None, target=None):
             if not any(name == h or name.startswith(h + '.') for h in HIDDEN):
                 return None
-            for finder in sys.meta_path:
+            for finder in sys.meta_path if SERVE else ():
                 if isinstance(finder, compat.StandInFinder):
                     spec = finder.find_spec(name, path, target)
                     if spec is not None:
@@ -47,8 +50,8 @@ HIDE = textwrap.dedent('''
         if any(name == h or name.startswith(h + '.') for h in HIDDEN):
             del sys.modules[name]
     sys.meta_path.insert(0, Hide())
-    if %r:     # (the start-up file's install() is off: NO_COMPAT is set)
-        sys.meta_path.append(compat._FINDER)
+    # (the start-up file's install() is off: NO_COMPAT is set)
+    sys.meta_path.append(compat._FINDER)
 ''')
 
 TRAIN = textwrap.dedent('''
