@@ -29,7 +29,7 @@ venv-python:
 
 $(STAMP): requirements.txt requirements-test.txt constraints.txt setup.py pyproject.toml \
 		chainermn_overlap/_native.c _chainermn_overlap_compat.py chainermn_overlap-compat.pth
-	@sh tools/python.sh venv $(VENV) "$(PYTHON)"
+	@test -x $(PY) || sh tools/python.sh venv $(VENV) "$(PYTHON)"
 	$(PY) -m pip install -q -r requirements.txt -r requirements-test.txt
 	$(PY) -m pip install -q --no-deps -e .
 	touch $(STAMP)
@@ -264,6 +264,15 @@ KERNELS_ARGS ?=
 bench-kernels: bench-deps
 	OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 \
 	$(PY) -m benchmarks powersgd_kernels $(KERNELS_ARGS)
+
+# The start-up file's cost (chainermn_overlap-compat.pth, the stand-ins that
+# let Chainer import on Python 3.12+): python -c pass and import chainer,
+# with and without, interleaved: benchmarks/results/startup.json (or
+# startup-3.12.json and so on: STARTUP_ARGS='--out ...').
+STARTUP_ARGS ?=
+.PHONY: bench-startup
+bench-startup: venv
+	$(PY) -m benchmarks startup $(STARTUP_ARGS)
 
 # Two revisions side by side on the same bed, interleaved rounds, paired
 # differences with intervals: make bench-ab A=main~1 B=WORKTREE
