@@ -31,6 +31,17 @@ per optimizer contending for the interpreter lock.  It waits by testing
 between short sleeps (10-250 us), as the engines' sleeping waits do, and
 tests a server that has been idle less often, so an idle server costs
 almost no CPU.
+
+That thread needs the interpreter lock to answer, so a rank answers only
+while no thread of its holds the lock in a wait on another rank.  mpi4py's
+calls release the lock while they wait, but one does not: its first
+reduction of objects on a communicator (``allreduce``, ``reduce``,
+``scan``, ``exscan``: ChainerMN's ``allreduce_obj`` and its multi-node
+evaluator) creates mpi4py's context for that communicator, an
+``MPI_Comm_dup`` (collective) called with the lock held.  A rank that
+entered it first would wait there for a peer that is itself waiting for
+this rank's answer, and never answer.  So a server creates that context
+at its own construction, a collective point (:func:`_prepare_contexts`).
 """
 import logging
 import threading
@@ -65,6 +76,29 @@ _log = logging.getLogger(__name__)
 def _mpi():
     from mpi4py import MPI
     return MPI
+
+
+def _prepare_contexts(mpi_comm):
+    """Creates mpi4py's context for the reductions of objects on
+    ``mpi_comm`` and, when ``mpi_comm`` spans every process, on
+    ``COMM_WORLD`` (collective over ``mpi_comm``).
+
+    Later reductions of objects on them then release the interpreter lock
+    while they wait, as every other MPI call does, and this rank's server
+    answers meanwhile (see the module's docstring).  A communicator made
+    after the server is not covered: reduce objects on it once on every
+    rank before a rank may enter such a reduction while another still
+    fetches parameters.
+    """
+    MPI = _mpi()
+    comms = [mpi_comm]
+    if mpi_comm != MPI.COMM_WORLD and MPI.Comm.Compare(
+            mpi_comm, MPI.COMM_WORLD) in (MPI.CONGRUENT, MPI.SIMILAR):
+        comms.append(MPI.COMM_WORLD)
+    for comm in comms:
+        # The first reduction of an object creates the context (once per
+        # communicator, cached); here every rank makes it at once.
+        comm.allreduce(0)
 
 
 class Fetch(object):
@@ -183,6 +217,10 @@ class ShardServer(object):
 
     def __init__(self, mpi_comm, rank):
         self.comm = mpi_comm.Dup()
+        # Every rank has reached the Dup above (it agrees on a context id), so
+        # this collective, which holds the interpreter lock, waits for no
+        # one long.
+        _prepare_contexts(mpi_comm)
         self.rank = rank
         self._cond = threading.Condition()
         self._pieces = {}      # bucket index -> this rank's piece
