@@ -63,12 +63,21 @@ GLOBAL_HOOKS = (optimizer_hooks.GradientClipping,)
 _REGISTERED = set()
 
 
+class _Plain(object):
+    """What a class statement defining only ``__init__`` holds: Python 3.13
+    adds ``__firstlineno__`` and ``__static_attributes__`` to every class
+    statement (not to ``type(...)``'s classes), so this is written as one."""
+
+    def __init__(self):
+        pass
+
+
 def _deprecated_aliases():
     # An alias is chainer.optimizer's class of the same name as a hook of
     # chainer.optimizer_hooks, with that hook as its only base, defining
     # nothing but __init__ (which warns) besides what Python gives every
     # class: it runs the hook's own arithmetic.
-    plain = set(vars(type('_Plain', (object,), {}))) | {'__init__'}
+    plain = set(vars(_Plain))
     aliases = {}
     for name, real in vars(optimizer_hooks).items():
         alias = getattr(optimizer_module, name, None)
