@@ -220,6 +220,25 @@ test-gpu: venv
 	        tests/gpu -q -rs; \
 	done
 
+# The GPU run offline (the lent GPU machines reach no registry; docs/gpu.md,
+# "Offline").  gpu-wheelhouse, here where pip reaches PyPI: every wheel the
+# device lacks, for Python 3.12 (numpy 1.26.4, cupy-cuda13x 13.6.0,
+# fastrlock, MPICH, mpi4py, Chainer 7.8.1 and this package built here, small
+# pure-Python ones installed only where missing) into .gpu-wheels/part1,
+# part2, ... of at most GPU_PART_MIB MiB each (one device call carries one
+# part; 64 MiB with the working tree).  gpu-dry-run: that flow here, with
+# Python 3.12, no GPU and no registry (benchmarks/gpu_dry_run.sh, 2-3 min).
+GPU_PYTHON ?= python3.12
+GPU_PART_MIB ?= 56
+.PHONY: gpu-wheelhouse gpu-dry-run
+gpu-wheelhouse:
+	@py=$$(sh tools/python.sh find $(GPU_PYTHON)) && set -x && \
+	    "$$py" -m benchmarks.gpu_offline wheelhouse --out .gpu-wheels \
+	    --python "$$py" --part-mib $(GPU_PART_MIB)
+
+gpu-dry-run:
+	bash benchmarks/gpu_dry_run.sh $(GPU_PYTHON)
+
 # The peer framework of benchmarks/harness/peers_torch.py (PyTorch DDP), in
 # a venv of its own: torch's CPU wheel, pinned (an unpinned torch pulls a
 # CUDA build of several GB).  The main venv provides mpiexec.  The project's pip

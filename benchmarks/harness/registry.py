@@ -33,6 +33,7 @@ STUDIES = (
     ('spatial_profile', 'benchmarks.spatial_profile'),
     ('distconv_hashes', 'benchmarks.distconv_hashes'),
     ('gpu', 'benchmarks.gpu_bench'),
+    ('gpu_offline', 'benchmarks.gpu_offline'),
     ('startup', 'benchmarks.startup'),
     ('ab', 'benchmarks.harness.ab'),
 )

@@ -42,7 +42,7 @@ runs the collective, and the result is copied back on the reduction stream.
 import collections
 import threading
 import time
-from typing import Any, Sequence
+from typing import Any, Optional, Sequence
 
 import numpy
 
@@ -62,8 +62,16 @@ __all__ = ['NcclEngine', 'default_backend', 'pack_arrays', 'unpack_arrays']
 SYNC_MODES = ('stream', 'host')
 
 
+#: Whether ``backend=None`` may pick ``'nccl'`` by itself.  Off until a GPU
+#: run has shown the engine to work (docs/gpu.md): it was written and tested
+#: on the CPU stand-in only, so GPU parameters get the host-staged MPI
+#: engine unless the caller opts in with ``backend='nccl'``.
+NCCL_BY_DEFAULT = False
+
+
 def default_backend(array_module: Any, nccl_available: bool,
-                    ranks_share_device: bool = False) -> str:
+                    ranks_share_device: bool = False,
+                    nccl_by_default: Optional[bool] = None) -> str:
     """The engine for parameters of ``array_module``: a pure function.
 
     Args:
@@ -72,13 +80,19 @@ def default_backend(array_module: Any, nccl_available: bool,
             :func:`chainermn_overlap.communication.streams.nccl_available`).
         ranks_share_device (bool): whether several ranks of the job use the
             same GPU; NCCL refuses that ("Duplicate GPU detected").
+        nccl_by_default (bool): whether ``'nccl'`` may be chosen at all;
+            default :data:`NCCL_BY_DEFAULT` (off: ``backend='nccl'`` opts
+            in until the engine has run on a GPU).
 
     Returns:
-        str: ``'nccl'`` for device parameters when NCCL can be used,
-        otherwise ``'mpi_priority'`` (host-staged MPI).
+        str: ``'nccl'`` for device parameters when NCCL may be chosen and
+        can be used, otherwise ``'mpi_priority'`` (host-staged MPI).
     """
+    if nccl_by_default is None:
+        nccl_by_default = NCCL_BY_DEFAULT
     name = getattr(array_module, '__name__', array_module)
-    if name == 'cupy' and nccl_available and not ranks_share_device:
+    if (nccl_by_default and name == 'cupy' and nccl_available
+            and not ranks_share_device):
         return 'nccl'
     return 'mpi_priority'
 

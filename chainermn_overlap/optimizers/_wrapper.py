@@ -167,16 +167,20 @@ def check_watch_options(timeout, stall_warning, debug):
 
 
 def default_engine(target, mpi_comm):
-    """``'nccl'`` for GPU parameters where NCCL can serve, else MPI.
+    """The host-staged MPI engine; ``'nccl'`` only once it may be chosen.
 
-    Collective over ``mpi_comm`` only for GPU parameters (whether ranks
-    share a device, which NCCL refuses, is agreed by an allgather).
+    While :data:`chainermn_overlap.communication.nccl.NCCL_BY_DEFAULT` is
+    off (the NCCL engine has not run on a GPU yet), every rank takes
+    ``'mpi_priority'`` without communicating.  Once on, it is collective
+    over ``mpi_comm`` for GPU parameters: ``'nccl'`` where NCCL can serve
+    (whether ranks share a device, which NCCL refuses, is agreed by an
+    allgather).
     """
     from chainermn_overlap.communication import nccl, streams
     arrays = [p.array for p in target.params() if p.array is not None]
     xp = (chainer.backend.get_array_module(arrays[0]) if arrays
           else numpy)
-    if xp is numpy:
+    if xp is numpy or not nccl.NCCL_BY_DEFAULT:
         return nccl.default_backend(xp, False)
     available = streams.nccl_available()
     bus = None

@@ -72,7 +72,12 @@ def test_gpu_reduction_waits_for_a_running_producer_kernel():
     assert total == pytest.approx(WORLD.size * (WORLD.size + 1) / 2.0)
 
 
-def test_gpu_default_backend_picks_nccl_for_device_parameters():
+def test_gpu_default_backend_is_host_staged_until_nccl_is_proven():
+    # Issue 43: backend=None picks the host-staged MPI engine for device
+    # parameters until a GPU run has shown the NCCL engine to work
+    # (nccl.NCCL_BY_DEFAULT); the rule it will then apply is checked too.
     import cupy
-    assert nccl.default_backend(cupy, streams_module.nccl_available()) \
-        == 'nccl'
+    available = streams_module.nccl_available()
+    assert nccl.default_backend(cupy, available) == 'mpi_priority'
+    assert nccl.default_backend(cupy, available, nccl_by_default=True) \
+        == ('nccl' if available else 'mpi_priority')
