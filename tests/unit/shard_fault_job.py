@@ -2,7 +2,7 @@
 
     mpiexec -n 2 python tests/unit/shard_fault_job.py FAULT [--timeout S]
         [--last-timeout S] [--out DIR] [--replica-sets shared|singletons]
-        [--skip-checks none|trainer|all]
+        [--skip-checks none|entry|all] [--shard MODE]
 
 A tiny MLP trained with ``shard=``; FAULT is what goes wrong:
 
@@ -13,6 +13,11 @@ A tiny MLP trained with ``shard=``; FAULT is what goes wrong:
   up-front detections (to reach the bounded gather behind them);
 * ``rank0_save``: rank 0 alone calls ``save_npz(path, optimizer)`` at
   iteration 3 (a pattern no check can see up front);
+* ``mn_autoload``: ChainerMN v7.8.1's own ``test_multinode_autoload``
+  (extensions_tests/test_multi_node_snapshot.py), its optimizer ours
+  (``--shard``, ``none`` for the unsharded one) and MNIST replaced by
+  random data: ``multi_node_snapshot`` with ``replica_sets=[]`` and
+  ``autoload``, called directly, never added to a trainer;
 * ``clip``: ``GradientClipping``; the last rank stalls between its backward
   and ``update()`` at iteration 3 (the other waits in the norm allreduce);
 * ``decide``: ``shard='parameters'``; the last rank stalls the same way at
@@ -74,7 +79,8 @@ class Model(models.MLP):
 def main():
     p = argparse.ArgumentParser()
     p.add_argument('fault', choices=['mn_snapshot', 'rank0_save', 'clip',
-                                     'decide', 'close', 'fetch'])
+                                     'decide', 'close', 'fetch',
+                                     'mn_autoload'])
     p.add_argument('--timeout', default=None)
     p.add_argument('--last-timeout', default=None,
                    help="the last rank's timeout (default --timeout): a "
@@ -83,16 +89,22 @@ def main():
     p.add_argument('--replica-sets', default='shared',
                    choices=['shared', 'singletons'])
     p.add_argument('--skip-checks', default='none',
-                   choices=['none', 'trainer', 'all'])
+                   choices=['none', 'entry', 'all'])
+    p.add_argument('--shard', default='optimizer',
+                   choices=['optimizer', 'gradients', 'parameters', 'none'],
+                   help='for mn_autoload')
     args = p.parse_args()
     comm = chainermn.create_communicator('naive')
     last = comm.rank == comm.size - 1
     shard = ('parameters' if args.fault in ('decide', 'close', 'fetch')
              else 'optimizer')
-    if args.skip_checks in ('trainer', 'all'):
-        writers.check_trainer = lambda *a, **k: None
+    if args.skip_checks in ('entry', 'all'):
+        writers.check_extension = lambda *a, **k: None
     if args.skip_checks == 'all':
         writers.check_every_rank_writes = lambda *a, **k: None
+    if args.fault == 'mn_autoload':
+        run_autoload(args, comm.rank)
+        return
     if args.fault == 'fetch' and last:
         # Requests reach this rank and are dropped: never answered.
         server_module.ShardServer._answer = lambda self, *a: None
@@ -136,6 +148,64 @@ def run_trainer(comm, opt, data, args, started):
         trigger=(2, 'iteration'))
     started['at'] = time.monotonic()
     trainer.run()
+
+
+class AutoloadMLP(chainer.Chain):
+    # ChainerMN's test model.
+    def __init__(self, n_units, n_out):
+        super().__init__()
+        with self.init_scope():
+            self.l1 = L.Linear(784, n_units)
+            self.l2 = L.Linear(n_units, n_units)
+            self.l3 = L.Linear(n_units, n_out)
+
+    def forward(self, x):
+        h1 = chainer.functions.relu(self.l1(x))
+        h2 = chainer.functions.relu(self.l2(h1))
+        return self.l3(h2)
+
+
+def run_autoload(args, rank):
+    """ChainerMN's ``test_multinode_autoload`` (see the module docstring)."""
+    shard = None if args.shard == 'none' else args.shard
+    started = time.monotonic()
+
+    def prepare(n):
+        comm = chainermn.create_communicator('naive')
+        model = L.Classifier(AutoloadMLP(100, 10))
+        optimizer = chainermn_overlap.create_overlapped_optimizer(
+            chainer.optimizers.Adam(), comm, shard=shard,
+            timeout=args.timeout)
+        optimizer.setup(model)
+        if comm.rank == 0:
+            rng = np.random.RandomState(0)
+            train = [(rng.rand(784).astype(np.float32),
+                      np.int32(rng.randint(10))) for _ in range(200)]
+        else:
+            train = None
+        train = chainermn.scatter_dataset(train, comm, shuffle=True)
+        train_iter = chainer.iterators.SerialIterator(train, 10)
+        updater = training.StandardUpdater(train_iter, optimizer)
+        trainer = training.Trainer(updater, out=args.out)
+        snapshot = extensions.snapshot(target=updater, autoload=True)
+        mn_snapshot = multi_node_snapshot(comm, snapshot, [])
+        mn_snapshot.initialize(trainer)
+        for _ in range(n):
+            updater.update()
+        return updater, mn_snapshot, trainer
+
+    try:
+        n = 3
+        updater0, snapshot, trainer0 = prepare(n)
+        assert n == updater0.iteration
+        snapshot(trainer0)
+        updater, _, _ = prepare(0)
+        assert n == updater.iteration
+    except Exception as e:  # reported with the rank and the time, then exit
+        say('rank {} raised {} after {:.1f} s: {}'.format(
+            rank, type(e).__name__, time.monotonic() - started, e))
+        sys.exit(1)
+    say('rank {} finished'.format(rank))
 
 
 def run_loop(comm, model, net, opt, data, args, last, started):

@@ -11,8 +11,10 @@ alone serializing the optimizer hangs the job (what ChainerMN's
 fault here hung as well (or, for the fetch, waited the environment's
 timeout instead of the optimizer's).
 
-Measured on the 2-core development machine: the trainer check 0.0 s after
-``trainer.run()`` on both ranks (the whole job 0.7 s); the timeouts 3.0 s
+Measured on the 2-core development machine: the extension check 0.0 s
+after ``trainer.run()`` on both ranks (the whole job 0.7 s), 0.1 s into
+ChainerMN's own autoload test (the job 3.3-4.2 s; before, rank 1 never
+ended); the timeouts 3.0 s
 for a 3 s limit (the whole job 3.7 s) and 2.0 s for the fetch's 2 s limit
 under a 60 s environment default (2.6 s).
 """
@@ -97,7 +99,7 @@ def test_one_writer_snapshot_raises_on_every_rank_at_once(tmp_path):
                                 '--out', str(tmp_path), limit=60.0)
     assert code not in (None, 0), 'exit {}:\n{}'.format(code, out)
     for rank in (0, 1):
-        # At the first update, before any snapshot is due.
+        # At the extension's initialize, before any snapshot is due.
         assert_raised(raised, out, rank, 'RuntimeError', 2.0,
                       'multi_node_snapshot', 'chainermn_overlap.extensions.'
                       'auto_snapshot', "this rank's set: [0, 1]")
@@ -118,10 +120,10 @@ def test_every_rank_its_own_replica_set_works(tmp_path):
 
 
 def test_save_within_multi_node_snapshot_raises_on_the_writer(tmp_path):
-    # The trainer check off (an extension it cannot see): the writing rank
+    # The extension check off (an extension it cannot see): the writing rank
     # sees at the save that it is inside multi_node_snapshot and raises at
     # once; the other rank is bounded by its watchdog.
-    code, out, raised = run_job('mn_snapshot', '--skip-checks', 'trainer',
+    code, out, raised = run_job('mn_snapshot', '--skip-checks', 'entry',
                                 '--timeout', '3', '--out', str(tmp_path),
                                 limit=60.0)
     assert code not in (None, 0), 'exit {}:\n{}'.format(code, out)
@@ -132,6 +134,51 @@ def test_save_within_multi_node_snapshot_raises_on_the_writer(tmp_path):
     # load; the bounds on the time it raised check the rest.
     assert_raised(raised, out, 1, 'CommunicationTimeout', 3 + BOUND,
                   'timed out after ', at_least=3.0)
+
+
+_AUTOLOAD_FIXED = "rank {}: a snapshot of the sharded optimizer is taken by"
+
+
+def test_chainermn_autoload_without_the_check_hangs_rank_1(tmp_path):
+    # Negative control, what the library did before: ChainerMN's own
+    # test_multinode_autoload calls the extension directly (no trainer to
+    # inspect), so only the save-time check fired, on rank 0 alone; rank 1
+    # went on into ChainerMN's next communicator set-up and waited there.
+    code, out, raised = run_job('mn_autoload', '--skip-checks', 'entry',
+                                '--out', str(tmp_path), limit=15.0)
+    assert code is None, 'expected a hang, the job ended (exit {}):\n{}' \
+        .format(code, out)
+    assert_raised(raised, out, 0, 'RuntimeError', BOUND,
+                  'serialized from within chainermn.extensions.'
+                  'multi_node_snapshot')
+    assert 1 not in raised, out
+
+
+@pytest.mark.parametrize('shard', ['optimizer', 'gradients', 'parameters'])
+def test_chainermn_autoload_raises_on_every_rank_at_once(tmp_path, shard):
+    code, out, raised = run_job('mn_autoload', '--shard', shard,
+                                '--out', str(tmp_path), limit=60.0)
+    assert code not in (None, 0), 'exit {}:\n{}'.format(code, out)
+    for rank in (0, 1):
+        # At the first initialize, before any rank loads, sends or saves
+        # (0.1 s after the start; the bound leaves room for a loaded host).
+        assert_raised(raised, out, rank, 'RuntimeError', BOUND,
+                      _AUTOLOAD_FIXED.format(rank), 'multi_node_snapshot',
+                      'replica sets: [[0, 1]]',
+                      'chainermn_overlap.extensions.auto_snapshot')
+    # The same error on every rank, but for the rank it names.
+    assert raised[0][2].replace('rank 0:', 'rank 1:', 1) == raised[1][2]
+    assert not os.listdir(str(tmp_path)), 'a snapshot was written'
+
+
+def test_chainermn_autoload_unsharded_passes(tmp_path):
+    # shard=None: ChainerMN's test passes as it does with its own optimizer.
+    code, out, raised = run_job('mn_autoload', '--shard', 'none',
+                                '--out', str(tmp_path), limit=60.0)
+    assert code == 0, 'exit {}:\n{}'.format(code, out)
+    assert not raised, out
+    assert 'rank 0 finished' in out and 'rank 1 finished' in out, out
+    assert os.listdir(str(tmp_path)) == ['snapshot_iter_3.0']
 
 
 @pytest.mark.parametrize('fault, args', [

@@ -191,6 +191,8 @@ class ShardedPolicy(object):
                  release_grads, mpi_comm, iteration, control=None,
                  update_at='update'):
         self.actual = actual
+        # A one-writer multi_node_snapshot of it is refused on every rank.
+        writers.register(actual)
         self.wait = wait
         self.reducer = reducer
         self.timeline = timeline
@@ -223,8 +225,6 @@ class ShardedPolicy(object):
     # Layout
 
     def set_layout(self, infos):
-        # Before the first snapshot can hang: on every rank, at once.
-        writers.check_trainer(self.actual, self.rank)
         self.infos = infos
         self.by_bucket = {}
         buckets = {}
