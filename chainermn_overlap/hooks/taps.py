@@ -9,7 +9,11 @@ contribution, and returns it unchanged (results stay bit-identical).
 The link's input is given to the tap as a second, dummy input.  Without it
 the tap would have rank 0 and Chainer's backward, which processes nodes in
 decreasing rank order, would run every tap at the very end; with it the tap
-runs right after its consumer, in reverse layer order.
+runs right after its consumer, in reverse layer order.  The tap's *output*
+keeps the parameter's rank, 0 (:meth:`GradTap.tap`), so that every other
+node has the rank it has without taps: Chainer sums the gradients of a
+variable read by several functions in the order it runs them, and a higher
+rank for the consumers changed that order (a few ulp from ChainerMN).
 """
 from __future__ import annotations
 
@@ -89,6 +93,27 @@ class GradTap(function_node.FunctionNode):
         # The parameter's whole value when its array is not (sharded
         # parameters); None: the array itself.
         self.value = value
+
+    def tap(self, inputs: tuple) -> variable.Variable:
+        """Applies the tap to ``(param,)`` or ``(param, dummy)``; returns
+        the variable that stands for the parameter in its link's call.
+
+        Chainer's backward runs nodes by decreasing rank, equal ranks in
+        the order they were queued, and sums the gradients a variable gets
+        from its consumers in that order.  Left at ``rank(dummy) + 1``,
+        the output would raise the rank of the consumer and of everything
+        computed from it, by one per tapped link on the way: where a
+        variable has three or more consumers (an SSD feature map read by
+        its two heads and the next layer) their order, hence the rounding
+        of the sum, changed.  With the parameter's own rank, 0, every node
+        but the taps keeps the rank and queue order of a run without taps,
+        so gradients are bit-identical; the tap keeps the dummy's rank and
+        still runs right after its consumer, which queues it.
+        """
+        out = self.apply(inputs)[0]
+        # VariableNode.rank is read-only; Chainer 7 keeps it in _rank.
+        out.node._rank = 0
+        return out
 
     def forward(self, inputs):
         # A view, not the array itself: consumers must not see the raw

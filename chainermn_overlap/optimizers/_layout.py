@@ -81,8 +81,9 @@ class LayoutManager(object):
         self.loaded = False
         self.control = None
         self.allow_groups = allow_groups
-        # 'element' or 'parameter' when sharded: rank 0's plan then also
-        # says which piece of each bucket each rank owns (sharding.layout).
+        # 'auto', 'element' or 'parameter' when sharded: rank 0's plan then
+        # also says which piece of each bucket each rank owns
+        # (sharding.layout).
         self.shard_unit = shard_unit
         # (name, param, group) of the parameters reduced within a group
         # (``param.reduction_group``, e.g. distconv's channel blocks).
@@ -198,10 +199,14 @@ class LayoutManager(object):
         grouped = sorted(n for n, g in groups.items() if g is not None)
         mine = {n: ([list(p.shape), str(p.dtype)] if p.array is not None
                     else [None, None]) for n, p in named}
+        whole = []
+        if self.shard_unit == 'auto':
+            from chainermn_overlap.optimizers.sharding import rules
+            whole = [n for n, p in named if rules.whole_reason(p)]
         gathered = _mpi_json.allgather_json(
             comm, {'params': mine, 'loaded': bool(self.loaded),
                    'changes_step': self.changes_step(target),
-                   'order': observed, 'grouped': grouped})
+                   'order': observed, 'grouped': grouped, 'whole': whole})
         self._check_same_model(named, gathered, set(grouped))
         self._check_groups(gathered, grouped, named)
         if skip is None:
@@ -215,8 +220,13 @@ class LayoutManager(object):
             # Blocks differ between groups: broadcast within the group, in
             # name order (the same on every member).
             bcast_array(group.mpi_comm, p.array, root=0)
+        # Kept whole if any rank's rules say so: every rank's check then
+        # passes (sharding.rules).
+        whole = set()
+        for g in gathered:
+            whole.update(g['whole'])
         plan = _mpi_json.bcast_json(
-            comm, self._plan(replicated, gathered[0]['order'])
+            comm, self._plan(replicated, gathered[0]['order'], whole)
             if self.rank == 0 else None)
         by_name = dict(named)
         buckets, infos = [], []
@@ -255,7 +265,7 @@ class LayoutManager(object):
                         .format(n, p.dtype, self.rank, dtype, owners[0]))
             bcast_array(self.mpi_comm, p.array, root=owners[0])
 
-    def _plan(self, named, observed):
+    def _plan(self, named, observed, whole=()):
         # Rank 0's observed gradient order (backward order), then the rest
         # in reverse name order.
         mine = dict(named)
@@ -273,7 +283,8 @@ class LayoutManager(object):
             from chainermn_overlap.optimizers.sharding import layout
             counts = layout.plan_counts(
                 [[e[2] for e in b.entries] for b in plans], self.size,
-                self.shard_unit)
+                self.shard_unit,
+                [[e[0] in whole for e in b.entries] for b in plans])
             for item, c in zip(out, counts):
                 item.append(c)
         return out

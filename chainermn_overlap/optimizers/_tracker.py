@@ -225,7 +225,7 @@ class GradientTracker(taps.GradientSink):
                 self._count_use(info)
             tap = taps.GradTap(self, p, self.iteration, value)
             inputs = (p,) if dummy is None else (p, dummy)
-            new[name] = tap.apply(inputs)[0]
+            new[name] = tap.tap(inputs)
             if value is not None:
                 nodes.append(new[name].node)
                 whole.tapped(new[name].node, info)
@@ -243,7 +243,7 @@ class GradientTracker(taps.GradientSink):
                 continue
             if backprop:
                 # The gradient reaches the parameter, as without sharding.
-                new[name] = taps.GradTap(self, p, None, value).apply((p,))[0]
+                new[name] = taps.GradTap(self, p, None, value).tap((p,))
                 nodes.append(new[name].node)
                 self.shard_params.tapped(new[name].node, info)
             else:

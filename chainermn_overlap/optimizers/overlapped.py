@@ -444,7 +444,7 @@ def create_overlapped_optimizer(
         debug: Optional[bool] = None,
         compression: Optional[PowerSGD] = None,
         shard: Optional[str] = None,
-        shard_unit: str = 'element',
+        shard_unit: str = 'auto',
         shard_update: str = 'update',
         shard_in_flight: Union[int, str, None] = 'auto',
         shard_prefetch: Union[int, str, None] = 'auto'
@@ -482,14 +482,14 @@ def create_overlapped_optimizer(
             parameters' dtype).  Default: the parameter's dtype (float32 for
             float16 parameters).
         backend (str): communication engine, run by a communication thread
-            on a duplicated communicator: ``'mpi_priority'`` (the default
-            for CPU parameters) slices buckets into chunks and runs first
+            on a duplicated communicator: ``'mpi_priority'`` (the default)
+            slices buckets into chunks and runs first
             what is needed first (with ``wait='forward'``, the first
             layers' gradients), in an order all ranks agree on;
             ``'mpi_thread'`` reduces buckets first-in-first-out; ``'nccl'``
-            (the default for GPU parameters when NCCL can be used, one GPU
-            per rank) reduces on a CUDA side stream ordered by events
-            (never run on a GPU yet: see docs/gpu.md).
+            reduces on a CUDA side stream ordered by events (opt-in: never
+            run on a GPU yet, so GPU parameters get ``'mpi_priority'``,
+            host-staged, by default; see docs/gpu.md).
         timeline (str): if given, a Chrome-trace/Perfetto JSON per rank is
             written there (``{rank}`` in the path is replaced by the rank,
             else ``.rank<r>`` is inserted): forward per link, waits,
@@ -529,8 +529,12 @@ def create_overlapped_optimizer(
             within a group (distconv's channel blocks) are not sharded.
             Not with ``compression`` or ``backend='nccl'``.
         shard_unit (str): how buckets are cut between ranks:
-            ``'element'`` (default; even pieces, a parameter may be split,
-            which needs element-wise update rules and hooks) or
+            ``'auto'`` (default; even pieces, a parameter may be split,
+            except one whose update rule or rule hooks are not known to be
+            element-wise, such as ChainerCV's ``GradientScaling``: it is
+            kept whole and updated by one rank; a ``FallbackWarning`` on
+            rank 0 names them once), ``'element'`` (even pieces; refuses
+            rules and hooks not known to be element-wise) or
             ``'parameter'`` (whole parameters per rank, any rule).
         shard_update (str): when ``'optimizer'`` and ``'gradients'``
             update a bucket's shard and gather it: ``'update'`` (default;

@@ -15,12 +15,14 @@ from __future__ import annotations
 
 from typing import Callable, Optional
 
+import numpy
+
 import chainer
 import chainer.functions as F
 import chainer.links as L
 
-__all__ = ['MLP', 'Deep', 'InjectInBackward', 'sum_of_squares',
-           'sum_of_tanh']
+__all__ = ['MLP', 'Deep', 'GradientScaling', 'InjectInBackward', 'SSDLike',
+           'add_ssd_hooks', 'sum_of_squares', 'sum_of_tanh']
 
 Activation = Callable[[chainer.Variable], chainer.Variable]
 
@@ -121,3 +123,107 @@ class InjectInBackward(chainer.FunctionNode):
     def backward(self, indexes, grad_outputs):
         self.action()
         return grad_outputs
+
+
+class GradientScaling(object):
+    """ChainerCV's update-rule hook of that name (``chainercv.links.model.
+    ssd.GradientScaling``): multiplies the gradient by ``rate``.
+
+    Element-wise in fact, but not known to be: what a user's own hook is.
+    """
+
+    name = 'GradientScaling'
+    call_for_each_param = True
+
+    def __init__(self, rate: float) -> None:
+        self.rate = rate
+
+    def __call__(self, rule, param):
+        if param.grad is not None:
+            param.grad *= self.rate
+
+
+class _Normalize(chainer.Link):
+    """SSD's L2 normalisation over channels with a learned scale."""
+
+    def __init__(self, n_channel: int, initial: float = 20) -> None:
+        super().__init__()
+        with self.init_scope():
+            self.scale = chainer.Parameter(
+                chainer.initializers.Constant(initial), (n_channel,))
+
+    def forward(self, x):
+        x = F.normalize(x, eps=1e-5, axis=1)
+        scale = self.scale[:, numpy.newaxis, numpy.newaxis]
+        return x * F.broadcast_to(scale, x.shape)
+
+
+class SSDLike(chainer.Chain):
+    """What SSD300 has that a chain of layers lacks, in miniature.
+
+    Feature maps of four scales, each read by a location head, a class
+    head and (but the last) the next layer: a variable with three consumers,
+    whose gradient Chainer sums in the order it runs them.  The first map
+    is L2-normalised with a learned scale.  ``forward(x, t_loc, t_conf)``
+    returns SSD's loss: Huber on the boxes plus softmax cross entropy on
+    the classes (``t_conf`` holds labels per anchor, 0 the background),
+    normalised by the number of positives.  Inputs are ``(n, 3, 8, 8)``;
+    :attr:`n_anchors` anchors per sample.
+
+    Args:
+        c: channels of every feature map.
+        n_class: classes including the background.
+    """
+
+    n_anchors = 2 * (64 + 16 + 4 + 1)
+
+    def __init__(self, c: int = 8, n_class: int = 4) -> None:
+        super().__init__()
+        self.n_class = n_class
+        with self.init_scope():
+            self.conv1 = L.Convolution2D(3, c, 3, pad=1)
+            self.norm = _Normalize(c)
+            self.conv2 = L.Convolution2D(c, c, 3, stride=2, pad=1)
+            self.extra1 = L.Convolution2D(c, c, 3, stride=2, pad=1)
+            self.extra2 = L.Convolution2D(c, c, 3, stride=2, pad=1)
+            self.loc = chainer.ChainList(
+                *[L.Convolution2D(c, 2 * 4, 3, pad=1) for _ in range(4)])
+            self.conf = chainer.ChainList(
+                *[L.Convolution2D(c, 2 * n_class, 3, pad=1)
+                  for _ in range(4)])
+
+    def _heads(self, ys):
+        locs, confs = [], []
+        for i, y in enumerate(ys):
+            loc = F.transpose(self.loc[i](y), (0, 2, 3, 1))
+            locs.append(F.reshape(loc, (loc.shape[0], -1, 4)))
+            conf = F.transpose(self.conf[i](y), (0, 2, 3, 1))
+            confs.append(F.reshape(conf, (conf.shape[0], -1, self.n_class)))
+        return F.concat(locs, axis=1), F.concat(confs, axis=1)
+
+    def forward(self, x, t_loc, t_conf):
+        h = F.relu(self.conv1(x))
+        ys = [self.norm(h)]
+        for link in (self.conv2, self.extra1, self.extra2):
+            h = F.relu(link(h))
+            ys.append(h)
+        locs, confs = self._heads(ys)
+        positive = t_conf > 0
+        n_positive = max(int(positive.sum()), 1)
+        loc_loss = F.sum(F.huber_loss(locs, t_loc, 1, reduce='no'), axis=-1)
+        loc_loss = F.sum(loc_loss * positive.astype(numpy.float32))
+        conf_loss = F.softmax_cross_entropy(
+            F.reshape(confs, (-1, self.n_class)), t_conf.reshape(-1))
+        return (loc_loss + conf_loss * t_conf.size) / n_positive
+
+
+def add_ssd_hooks(model: chainer.Link, scale: float = 2,
+                  decay: float = 5e-4) -> None:
+    """SSD's training recipe: :class:`GradientScaling` on every bias,
+    ``WeightDecay`` on the other parameters (after ``setup``)."""
+    for param in model.params():
+        if param.name == 'b':
+            param.update_rule.add_hook(GradientScaling(scale))
+        else:
+            param.update_rule.add_hook(
+                chainer.optimizer_hooks.WeightDecay(decay))

@@ -44,6 +44,42 @@ def test_parameter_counts_balance_a_model_of_one_parameter_buckets():
     assert sorted(totals) == [20, 20, 20, 20]
 
 
+@pytest.mark.parametrize('sizes, whole, size', [
+    ([3, 5, 2], [False, True, False], 2),
+    ([3, 5, 2], [False, True, False], 4),
+    ([10], [True], 3),
+    ([4, 1, 4, 1, 4], [False, True, False, True, False], 5),
+    ([7, 7], [True, True], 3),
+])
+def test_auto_counts_keep_marked_parameters_whole(sizes, whole, size):
+    starts = np.cumsum([0] + sizes)
+    for rotate in range(size):
+        even = layout.element_counts(sum(sizes), size, rotate)
+        counts = layout.keep_whole(even, sizes, whole)
+        assert len(counts) == size and sum(counts) == sum(sizes)
+        assert min(counts) >= 0
+        for start, _ in layout.bounds_from_counts(counts):
+            for off, n, w in zip(starts, sizes, whole):
+                assert not (w and off < start < off + n)
+        # A cut outside the whole parameters stays where it was.
+        for (a, _), (b, _) in zip(layout.bounds_from_counts(even),
+                                  layout.bounds_from_counts(counts)):
+            if not any(w and off < a < off + n
+                       for off, n, w in zip(starts, sizes, whole)):
+                assert a == b
+
+
+def test_auto_without_whole_parameters_is_element():
+    sizes = [[3, 5, 2], [7], [1, 1, 1]]
+    assert layout.plan_counts(sizes, 3, 'auto') == \
+        layout.plan_counts(sizes, 3, 'element')
+    element = layout.plan_counts(sizes, 3)
+    auto = layout.plan_counts(sizes, 3, 'auto',
+                              [[False] * 3, [True], [False] * 3])
+    assert auto[0] == element[0] and auto[2] == element[2]
+    assert sorted(auto[1]) == [0, 0, 7]
+
+
 def test_owned_range():
     # A parameter at 4..10 of its bucket; the rank owns 6..8 of the bucket.
     assert layout.owned_range(4, 6, 6, 8) == (2, 4, 0)

@@ -15,16 +15,21 @@ ways to cut:
 * ``'parameter'``: cuts fall on parameter boundaries (each parameter has
   one owner), balanced greedily over the whole model, so any update rule
   works; ranks then differ by up to one parameter.
+* ``'auto'``: as ``'element'``, except that a cut falling inside a
+  parameter that must stay whole (its rule or a hook of its rule is not
+  known to be element-wise, :func:`.rules.whole_reason`) moves to that
+  parameter's nearer end: it has one owner, which updates it whole, and
+  the other parameters are cut as with ``'element'``.
 
 Rank 0 computes the cuts with the bucket plan and broadcasts them with it,
 so every rank uses the same layout by construction.
 """
-from typing import List, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 __all__ = ['SHARD_UNITS', 'bounds_from_counts', 'element_counts',
-           'owned_range', 'parameter_counts', 'plan_counts']
+           'keep_whole', 'owned_range', 'parameter_counts', 'plan_counts']
 
-SHARD_UNITS = ('element', 'parameter')
+SHARD_UNITS = ('auto', 'element', 'parameter')
 
 
 def element_counts(nelems: int, size: int, rotate: int = 0) -> List[int]:
@@ -62,19 +67,63 @@ def parameter_counts(sizes: Sequence[int], size: int,
     return counts
 
 
+def keep_whole(counts: Sequence[int], sizes: Sequence[int],
+               whole: Sequence[bool]) -> List[int]:
+    """Piece sizes with no cut inside a parameter marked ``whole``.
+
+    Each cut of ``counts`` that falls strictly inside such a parameter
+    moves to its nearer end (its start on a tie).  Moving cuts this way
+    keeps them in order, so pieces stay contiguous in rank order; a piece
+    may become empty.
+
+    Args:
+        counts: piece sizes of the bucket, one per rank.
+        sizes: element counts of the bucket's parameters, in bucket order.
+        whole: for each parameter, whether it must have one owner.
+    """
+    spans, off = [], 0
+    for n, w in zip(sizes, whole):
+        if w:
+            spans.append((off, off + n))
+        off += n
+    cuts, even = [], 0
+    for c in counts[:-1]:
+        even += c
+        at = even
+        for start, stop in spans:
+            if start < at < stop:
+                at = start if at - start <= stop - at else stop
+                break
+        cuts.append(at)
+    ends = cuts + [sum(counts)]
+    return [b - a for a, b in zip([0] + cuts, ends)]
+
+
 def plan_counts(buckets: Sequence[Sequence[int]], size: int,
-                unit: str = 'element') -> List[List[int]]:
-    """Piece sizes of every bucket (``buckets``: each one's member sizes)."""
+                unit: str = 'element',
+                whole: Optional[Sequence[Sequence[bool]]] = None
+                ) -> List[List[int]]:
+    """Piece sizes of every bucket.
+
+    Args:
+        buckets: each bucket's member sizes.
+        size (int): number of ranks.
+        unit (str): one of :data:`SHARD_UNITS`.
+        whole: with ``'auto'``, for each bucket, whether each member must
+            have one owner (None: none must).
+    """
     if unit not in SHARD_UNITS:
-        raise ValueError("shard_unit must be 'element' or 'parameter', got "
-                         '{!r}'.format(unit))
+        raise ValueError("shard_unit must be 'auto', 'element' or "
+                         "'parameter', got {!r}".format(unit))
     loads = [0] * size
     out = []
     for b, sizes in enumerate(buckets):
-        if unit == 'element':
-            counts = element_counts(sum(sizes), size, rotate=b)
-        else:
+        if unit == 'parameter':
             counts = parameter_counts(sizes, size, loads)
+        else:
+            counts = element_counts(sum(sizes), size, rotate=b)
+            if unit == 'auto' and whole is not None and any(whole[b]):
+                counts = keep_whole(counts, sizes, whole[b])
         loads = [a + c for a, c in zip(loads, counts)]
         out.append(counts)
     return out

@@ -34,9 +34,9 @@ def check(shard, shard_unit, shard_update, compression, backend):
         raise ValueError(
             "shard must be None, 'optimizer', 'gradients' or 'parameters', "
             'got {!r}'.format(shard))
-    if shard_unit not in ('element', 'parameter'):
-        raise ValueError("shard_unit must be 'element' or 'parameter', got "
-                         '{!r}'.format(shard_unit))
+    if shard_unit not in ('auto', 'element', 'parameter'):
+        raise ValueError("shard_unit must be 'auto', 'element' or "
+                         "'parameter', got {!r}".format(shard_unit))
     if shard is None:
         return
     if compression is not None:

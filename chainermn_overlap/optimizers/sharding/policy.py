@@ -36,12 +36,15 @@ posting in backward was slower: B holds the one communication thread while
 later reductions wait behind it, and backward stops in the throttle
 (:meth:`ShardedPolicy.throttle`) for longer.
 """
+import warnings
+
 import numpy
 
 import chainer
 
 from chainermn_overlap.communication import watchdog
 from chainermn_overlap.errors import CollectiveMismatchError
+from chainermn_overlap.errors import FallbackWarning
 from chainermn_overlap.optimizers import _clipping
 from chainermn_overlap.optimizers import _layout
 from chainermn_overlap.optimizers.sharding import collectives
@@ -213,6 +216,11 @@ class ShardedPolicy(object):
         self.by_bucket = {}
         self.pending_count = 0
         self._checked = None
+        # ids of the parameters the layout cuts between ranks.
+        self.cut = set()
+        # Whether rank 0 said which parameters shard_unit='auto' keeps
+        # whole (once per optimizer).
+        self._warned_whole = False
         # Whether the update rules' states are cut for this layout (see
         # sharding.state): not until the first update under it.
         self.states_sharded = False
@@ -233,6 +241,7 @@ class ShardedPolicy(object):
             buckets[info.bucket.index] = info.bucket
         self.buckets = [buckets[i] for i in sorted(buckets)]
         self.pieces = {}
+        self.cut = set()
         for bucket in self.buckets:
             bucket.bounds = shard_layout.bounds_from_counts(
                 bucket.shard_counts)
@@ -242,13 +251,46 @@ class ShardedPolicy(object):
                     self.by_bucket[bucket.index], bucket.plan.entries):
                 lo, hi, at = shard_layout.owned_range(off, size, start, stop)
                 pieces.append(_Piece(info, lo, hi, at))
+                if any(off < a < off + size for a, _ in bucket.bounds):
+                    self.cut.add(id(info.param))
             self.pieces[bucket.index] = pieces
+        self._warn_whole()
         shards.reconcile(self)
         self.pending_count = 0
         self._checked = None
         # The round that builds a layout posts its updates at update().
         self.snap = False
         self.posted = set()
+
+    def _warn_whole(self):
+        """Rank 0 says once which parameters ``shard_unit='auto'`` keeps
+        whole, why, and what it costs."""
+        if self.unit != 'auto' or self.rank != 0 or self._warned_whole:
+            return
+        whole = {}
+        for info in self.infos:
+            why = rules.whole_reason(info.param)
+            if why is not None:
+                whole.setdefault(why, []).append(info.name)
+        if not whole:
+            return
+        self._warned_whole = True
+        shares = [sum(b - a for a, b in (bucket.bounds[r]
+                                          for bucket in self.buckets))
+                  for r in range(len(self.buckets[0].bounds))]
+        what = '; '.join('{} on {} ({} parameter{})'.format(
+            cls, ', '.join(names[:3]) + (', ...' if len(names) > 3 else ''),
+            len(names), 's' if len(names) > 1 else '')
+            for cls, names in sorted(whole.items()))
+        warnings.warn(
+            "shard_unit='auto' keeps whole, each updated by one rank, the "
+            'parameters whose update rule or rule hook is not known to be '
+            'element-wise: {}. Results are exact; the cost is balance: the '
+            'ranks own {} to {} elements. If the class is element-wise, '
+            'declare it with chainermn_overlap.register_elementwise(cls) to '
+            "cut them evenly; shard_unit='element' refuses it instead."
+            .format(what, min(shares), max(shares)), FallbackWarning,
+            stacklevel=2)
 
     def cut_states(self):
         """Each rule's state becomes its slice's (created if missing)."""
@@ -322,14 +364,18 @@ class ShardedPolicy(object):
             held -= n
 
     def _check(self):
-        key = (tuple(map(id, self.actual._hookable._pre_update_hooks
-                         .values())),
-               tuple(map(id, self.actual._hookable._post_update_hooks
-                         .values())))
+        def ids(hookable):
+            return (tuple(map(id, hookable._pre_update_hooks.values())),
+                    tuple(map(id, hookable._post_update_hooks.values())))
+        # A rule or rule hook may change after the layout too (a hook added
+        # to a parameter the layout cuts).
+        key = (ids(self.actual._hookable),
+               tuple((id(r), ids(r._hookable)) if r is not None else None
+                     for r in (i.param.update_rule for i in self.infos)))
         if key != self._checked:
             rules.check_optimizer(self.actual,
                                   [i.param for i in self.infos], self.unit,
-                                  self.rank)
+                                  self.rank, self.cut)
             self._checked = key
 
     # ------------------------------------------------------------------

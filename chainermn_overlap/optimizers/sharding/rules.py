@@ -8,12 +8,16 @@ shard, with the rule's state sized for the slice.  For element-wise rules
 and hooks (SGD, MomentumSGD, Adam and the other built-in rules;
 ``WeightDecay``, ``Lasso``, ``GradientHardClipping``) that gives the same
 bits as the update of the whole array.  Anything else needs parameters
-that are not cut (``shard_unit='parameter'``), or must be declared
-element-wise with :func:`register_elementwise`.  Classes are known by their
-exact type (a subclass may change the arithmetic), except Chainer's
-deprecated aliases in ``chainer.optimizer`` (``chainer.optimizer.WeightDecay``
-and the like), which stand for the hooks they subclass
-(:data:`DEPRECATED_ALIASES`).
+that are not cut, or must be declared element-wise with
+:func:`register_elementwise`.  With ``shard_unit='auto'`` (the default) a
+parameter whose rule or rule hooks are not known element-wise (ChainerCV's
+``GradientScaling`` on SSD's biases) is not cut (:func:`whole_reason`): one
+rank updates it whole.  ``shard_unit='parameter'`` cuts no parameter;
+``shard_unit='element'`` cuts any and refuses what is not known.  Classes
+are known by their exact type (a subclass may change the arithmetic),
+except Chainer's deprecated aliases in ``chainer.optimizer``
+(``chainer.optimizer.WeightDecay`` and the like), which stand for the hooks
+they subclass (:data:`DEPRECATED_ALIASES`).
 
 Updates run on the communication thread with a :class:`Snapshot`: a copy
 of each rule whose hyperparameters are frozen when the snapshot is made (at
@@ -38,7 +42,7 @@ from chainer import optimizers
 
 __all__ = ['DEPRECATED_ALIASES', 'ELEMENTWISE_HOOKS', 'ELEMENTWISE_RULES',
            'GLOBAL_HOOKS', 'Snapshot', 'check_optimizer', 'init_states',
-           'make_proxy', 'register_elementwise']
+           'make_proxy', 'register_elementwise', 'whole_reason']
 
 #: Update rules whose update of a slice equals the slice of their update.
 ELEMENTWISE_RULES = {
@@ -125,18 +129,44 @@ def _hooks(hookable):
             list(hookable._post_update_hooks.values()))
 
 
-def check_optimizer(actual, params, unit, rank):
+def whole_reason(param):
+    """Why ``shard_unit='auto'`` keeps ``param`` whole, or None.
+
+    Returns:
+        str or None: the class of its update rule, or of the first hook of
+        its rule, that is not known to be element-wise.
+    """
+    rule = getattr(param, 'update_rule', None)
+    if rule is None:
+        return None
+    if not _elementwise(rule, ELEMENTWISE_RULES):
+        return type(rule).__name__
+    pre, post = _hooks(rule._hookable)
+    for hook in pre + post:
+        if not _elementwise(hook, ELEMENTWISE_HOOKS):
+            return type(hook).__name__
+    return None
+
+
+def check_optimizer(actual, params, unit, rank, cut=None):
     """Raises ``ValueError`` where the shard update would not be exact.
 
     Args:
         actual: the wrapped optimizer.
         params: the parameters that are sharded.
-        unit (str): ``'element'`` or ``'parameter'`` (see :mod:`.layout`).
+        unit (str): ``'auto'``, ``'element'`` or ``'parameter'`` (see
+            :mod:`.layout`).
         rank (int): for the message.
+        cut (set): with ``'auto'``, the ids of the parameters the layout
+            cuts between ranks (None: every parameter).
     """
     fix_unit = ("pass shard_unit='parameter' (each parameter updated whole "
                 'by one rank), or declare the class element-wise with '
                 'chainermn_overlap.register_elementwise if it is')
+    fix_late = ("add such hooks before the first update() (the layout then "
+                'keeps the parameter whole), pass '
+                "shard_unit='parameter', or declare the class element-wise "
+                'with chainermn_overlap.register_elementwise if it is')
     if not isinstance(actual, optimizer_module.GradientMethod):
         raise ValueError(
             'shard= needs a chainer GradientMethod (its update rules run on '
@@ -168,11 +198,14 @@ def check_optimizer(actual, params, unit, rank):
                 'optimizer hook {} needs every gradient at once, which '
                 'shard= cannot give it (GradientClipping is supported) '
                 '(rank {}); use shard=None.'.format(name, rank))
-        if unit == 'element' and not _elementwise(hook, ELEMENTWISE_HOOKS):
+        if unit != 'parameter' and \
+                not _elementwise(hook, ELEMENTWISE_HOOKS):
+            # An optimizer hook runs on every parameter: keeping them all
+            # whole is shard_unit='parameter', which the user chooses.
             raise ValueError(
                 'optimizer hook {} is not known to be element-wise, and '
-                "shard_unit='element' cuts parameters between ranks (rank "
-                '{}): {}.'.format(name, rank, fix_unit))
+                'shard_unit={!r} cuts parameters between ranks (rank {}): '
+                '{}.'.format(name, unit, rank, fix_unit))
     for p in params:
         rule = p.update_rule
         if rule is None:
@@ -182,7 +215,18 @@ def check_optimizer(actual, params, unit, rank):
                 'use_fp32_update() with float16 parameters ({}) is not '
                 'supported with shard= (rank {}); use shard=None.'.format(
                     p.name, rank))
-        if unit != 'element':
+        if unit == 'parameter':
+            continue
+        if unit == 'auto':
+            if cut is not None and id(p) not in cut:
+                continue
+            what = whole_reason(p)
+            if what is not None:
+                raise ValueError(
+                    '{} of {} is not known to be element-wise and came '
+                    'after the bucket layout, which cuts {} between ranks '
+                    '(rank {}): {}.'.format(what, p.name, p.name, rank,
+                                            fix_late))
             continue
         if not _elementwise(rule, ELEMENTWISE_RULES):
             raise ValueError(
