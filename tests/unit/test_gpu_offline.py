@@ -227,10 +227,3 @@ def test_the_registry_check_can_fail():
     bad = src.replace("'install', '--no-index',", "'install',")
     assert any('gpu_offline pip call' in p
                for p in offline_problems(script, bad))
-
-
-def test_the_wheelhouse_folders_are_ignored_by_git():
-    for path in ('.gpu-wheels/part1/x.whl', '.gpu-env/bin/python',
-                 '.gpu-dry-run/tree/x'):
-        proc = subprocess.run(['git', 'check-ignore', '-q', path], cwd=ROOT)
-        assert proc.returncode == 0, '{} is not git-ignored'.format(path)
