@@ -6,37 +6,39 @@ may not have:
 * ``numpy.distutils.system_info``: NumPy has no ``numpy.distutils`` on
   Python 3.12 and later.  Chainer calls its ``get_info('blas_opt')`` only on
   macOS, to warn about Accelerate;
-* ``pkg_resources``: setuptools 82 and later have none (and a Python 3.12+
-  venv starts with no setuptools at all).  Chainer uses ``require`` and
-  ``get_distribution`` to warn when an optional package (CuPy, iDeep) has a
+* ``pkg_resources``: setuptools 82 and later have none (what an install
+  of Chainer's dependencies without the project's constraints picks).
+  Chainer uses ``require`` and ``get_distribution`` to warn when an optional package (CuPy, iDeep) has a
   version it was not tested with, and ``chainer.testing`` uses
   ``WorkingSet().require``.
 
-This module is run at interpreter start-up by ``chainermn_overlap-compat.pth``
-(installed beside it by the wheel and by the editable install), so it must
-cost nothing and change nothing when it is not needed.  :func:`install`
-appends one finder to the *end* of ``sys.meta_path``: the import system asks
-it only about a module that no other finder found, and it answers only for
-the two modules above, and only when the import comes from Chainer's or
-ChainerMN's own code.  Where the real module exists it is found first and
-the finder is never asked; any other program that probes for
-``numpy.distutils`` or ``pkg_resources`` still sees them missing.
+``chainermn_overlap-compat.pth``, installed into ``site-packages`` by the
+wheel and by the editable install, runs at every start of the environment's
+Python, so it must cost nothing and change nothing when it is not needed.
+Its one line appends a small finder to the *end* of ``sys.meta_path``
+(unless ``CHAINERMN_OVERLAP_NO_COMPAT`` is set) and imports nothing: only
+when a module named above is looked up does that finder import this module
+and call :func:`find_spec`.  The import system asks a finder at the end only
+about a module that no other finder found, so where the real module exists
+it is found first and this module is never imported.  :func:`find_spec`
+answers only for the two modules above, and only when the import comes from
+Chainer's or ChainerMN's own code: any other program that probes for
+``numpy.distutils`` or ``pkg_resources`` still finds them missing.
 
 Turn it off with ``CHAINERMN_OVERLAP_NO_COMPAT=1`` in the environment, or by
 deleting ``chainermn_overlap-compat.pth`` from ``site-packages``.
 
 This is a top-level module, not part of the ``chainermn_overlap`` package,
 because importing the package imports Chainer: the stand-ins must be in
-place before that.  It imports nothing at start-up beyond ``sys`` and
-``os``.
+place before that.
 """
 import os
 import sys
 
 #: ``1`` leaves Chainer's imports alone (a flag as the package's others:
-#: off when unset, empty, ``0``, ``false``, ``no`` or ``off``).  Read here, at
-#: start-up, before the package can be imported; listed in
-#: :mod:`chainermn_overlap.config` with the others.
+#: off when unset, empty, ``0``, ``false``, ``no`` or ``off``).  Read by the
+#: start-up file (which spells it too) and :func:`install`, before the
+#: package can be imported; listed in :mod:`chainermn_overlap.config`.
 DISABLE_ENV = 'CHAINERMN_OVERLAP_NO_COMPAT'
 _OFF = ('', '0', 'false', 'no', 'off')
 
@@ -55,13 +57,15 @@ def _importer():
     """The module name of the code that started the import under way."""
     frame = sys._getframe(2)
     while frame is not None:
-        filename = frame.f_code.co_filename
+        name = frame.f_globals.get('__name__', '')
         # The import system's own frames: frozen importlib, the importlib
-        # package (import_module), and meta path finders that ask others.
-        if not (filename.startswith('<frozen ')
+        # package (import_module), meta path finders that ask others, and
+        # the start-up file's finder (a line of a .pth file runs with the
+        # site module's globals).
+        if not (frame.f_code.co_filename.startswith('<frozen ')
                 or frame.f_code.co_name == 'find_spec'
-                or frame.f_globals.get('__name__', '').startswith('importlib')):
-            return frame.f_globals.get('__name__', '')
+                or name.startswith('importlib') or name == 'site'):
+            return name
         frame = frame.f_back
     return ''
 
@@ -70,15 +74,28 @@ def _from_chainer(name):
     return any(name == p or name.startswith(p + '.') for p in _IMPORTERS)
 
 
+def find_spec(fullname, path=None, target=None):
+    """The spec of a stand-in for ``fullname`` when Chainer imports it.
+
+    Called only for a module no other finder found (the finders that call
+    it are last on ``sys.meta_path``); None for every other module or
+    importer.
+    """
+    if fullname not in _STAND_INS or not _from_chainer(_importer()):
+        return None
+    import importlib.machinery
+    return importlib.machinery.ModuleSpec(
+        fullname, _Loader(), is_package=(fullname == 'numpy.distutils'))
+
+
 class StandInFinder(object):
-    """A meta path finder (the importlib protocol) for the stand-ins."""
+    """A meta path finder (the importlib protocol) for the stand-ins, as
+    the start-up file's, for :func:`install`."""
+
+    __chainermn_overlap_stand_ins__ = True
 
     def find_spec(self, fullname, path=None, target=None):
-        if fullname not in _STAND_INS or not _from_chainer(_importer()):
-            return None
-        import importlib.machinery
-        return importlib.machinery.ModuleSpec(
-            fullname, _Loader(), is_package=(fullname == 'numpy.distutils'))
+        return find_spec(fullname, path, target)
 
     def __repr__(self):
         return '<chainermn_overlap stand-ins for %s>' % ', '.join(_STAND_INS)
@@ -186,15 +203,20 @@ def _satisfies(version, spec):
 _FINDER = StandInFinder()
 
 
+def _ours(finder):
+    return getattr(finder, '__chainermn_overlap_stand_ins__', False)
+
+
 def install():
-    """Append the finder to ``sys.meta_path`` (once); a no-op when disabled."""
+    """Appends a finder to ``sys.meta_path`` as the start-up file does
+    (where none is there yet); a no-op when disabled."""
     if _disabled():
         return
-    if not any(isinstance(f, StandInFinder) for f in sys.meta_path):
+    if not any(_ours(f) for f in sys.meta_path):
         sys.meta_path.append(_FINDER)
 
 
 def uninstall():
-    """Remove the finder (what has been imported through it stays)."""
-    sys.meta_path[:] = [f for f in sys.meta_path
-                        if not isinstance(f, StandInFinder)]
+    """Removes the finders, the start-up file's too (what has been imported
+    through them stays)."""
+    sys.meta_path[:] = [f for f in sys.meta_path if not _ours(f)]

@@ -25,12 +25,12 @@ NEW_PYTHON = sys.version_info >= (3, 12)
 
 # A finder put first on sys.meta_path that makes the named modules missing,
 # as numpy.distutils is on Python 3.12+ and pkg_resources with setuptools 82+:
-# only the stand-ins' finder is asked about them, and only when SERVE (else
-# they stay missing: the negative control).  The stand-ins' finder is at the
-# end of sys.meta_path in both cases, for what this Python lacks anyway.
+# only the start-up file's finder (at the end of sys.meta_path, as the
+# import system would reach it) is asked about them, and only when SERVE
+# (else they stay missing: the negative control; what this Python lacks
+# anyway is served by that finder in both cases).
 HIDE = textwrap.dedent('''
     import sys
-    import _chainermn_overlap_compat as compat
     HIDDEN = %r
     SERVE = %r
 
@@ -39,7 +39,7 @@ HIDE = textwrap.dedent('''
             if not any(name == h or name.startswith(h + '.') for h in HIDDEN):
                 return None
             for finder in sys.meta_path if SERVE else ():
-                if isinstance(finder, compat.StandInFinder):
+                if getattr(finder, '__chainermn_overlap_stand_ins__', False):
                     spec = finder.find_spec(name, path, target)
                     if spec is not None:
                         return spec
@@ -49,8 +49,6 @@ HIDE = textwrap.dedent('''
         if any(name == h or name.startswith(h + '.') for h in HIDDEN):
             del sys.modules[name]
     sys.meta_path.insert(0, Hide())
-    # (the start-up file's install() is off: NO_COMPAT is set)
-    sys.meta_path.append(compat._FINDER)
 ''')
 
 TRAIN = textwrap.dedent('''
@@ -89,13 +87,13 @@ def run(code, disable=True, env=None):
     ('numpy.distutils',), ('pkg_resources',),
     ('numpy.distutils', 'pkg_resources')])
 def test_chainer_trains_with_the_modules_missing(hidden):
-    without = run(HIDE % (hidden, False) + TRAIN)
+    without = run(HIDE % (hidden, False) + TRAIN, disable=False)
     assert without.returncode != 0
     assert "No module named '%s" % hidden[0] in without.stdout, without.stdout
     done = run(HIDE % (hidden, True) + TRAIN + textwrap.dedent('''
         for name in %r:
             assert sys.modules[name].__chainermn_overlap_stand_in__, name
-    ''' % (hidden,)))
+    ''' % (hidden,)), disable=False)
     assert done.returncode == 0, done.stdout
     assert 'trained 7.8.1' in done.stdout
 
@@ -118,7 +116,7 @@ def test_other_importers_still_find_them_missing():
                     raise SystemExit('%s served to a program by %s' % (name, how))
         import chainer
         print('missing for the program, served to chainer')
-    '''))
+    '''), disable=False)
     assert probe.returncode == 0, probe.stdout
     assert 'missing for the program, served to chainer' in probe.stdout
 
@@ -126,14 +124,21 @@ def test_other_importers_still_find_them_missing():
 def test_the_start_up_file_is_installed_and_installs_the_finder():
     purelib = sysconfig.get_paths()['purelib']
     assert os.path.isfile(os.path.join(purelib, 'chainermn_overlap-compat.pth'))
-    check = ('import sys, _chainermn_overlap_compat as c; '
-             'print(sum(isinstance(f, c.StandInFinder) for f in sys.meta_path), '
-             'sys.meta_path[-1] is c._FINDER)')
-    assert run(check, disable=False).stdout.split() == ['1', 'True']
-    assert run(check, disable=True).stdout.split() == ['0', 'False']
+    # One finder, last; the module itself is not imported at start-up.
+    check = ('import sys; '
+             'print(sum(getattr(f, "__chainermn_overlap_stand_ins__", False) '
+             'for f in sys.meta_path), '
+             'getattr(sys.meta_path[-1], "__chainermn_overlap_stand_ins__", '
+             'False), "_chainermn_overlap_compat" in sys.modules)')
+    assert run(check, disable=False).stdout.split() == ['1', 'True', 'False']
+    assert run(check, disable=True).stdout.split() == ['0', 'False', 'False']
     for off in ('0', 'off', ''):
         out = run(check, disable=False, env={config.NO_COMPAT_ENV: off})
-        assert out.stdout.split() == ['1', 'True'], off
+        assert out.stdout.split() == ['1', 'True', 'False'], off
+    # install() and the start-up file's finder are one: never two.
+    twice = run('import sys, _chainermn_overlap_compat as c; c.install(); '
+                'print(sum(c._ours(f) for f in sys.meta_path))', disable=False)
+    assert twice.stdout.split() == ['1'], twice.stdout
 
 
 def test_the_variable_is_the_configs():
