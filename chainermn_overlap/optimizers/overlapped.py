@@ -483,13 +483,11 @@ def create_overlapped_optimizer(
             float16 parameters).
         backend (str): communication engine, run by a communication thread
             on a duplicated communicator: ``'mpi_priority'`` (the default)
-            slices buckets into chunks and runs first
-            what is needed first (with ``wait='forward'``, the first
-            layers' gradients), in an order all ranks agree on;
-            ``'mpi_thread'`` reduces buckets first-in-first-out; ``'nccl'``
-            reduces on a CUDA side stream ordered by events (opt-in: never
-            run on a GPU yet, so GPU parameters get ``'mpi_priority'``,
-            host-staged, by default; see docs/gpu.md).
+            slices buckets into chunks and runs first what is needed first
+            (with ``wait='forward'``, the first layers' gradients), in an
+            order all ranks agree on; ``'mpi_thread'`` is first-in-first-
+            out; ``'nccl'`` reduces on a CUDA side stream ordered by events
+            (opt-in until it has run on a GPU: docs/gpu.md).
         timeline (str): if given, a Chrome-trace/Perfetto JSON per rank is
             written there (``{rank}`` in the path is replaced by the rank,
             else ``.rank<r>`` is inserted): forward per link, waits,

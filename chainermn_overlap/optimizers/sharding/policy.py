@@ -36,15 +36,12 @@ posting in backward was slower: B holds the one communication thread while
 later reductions wait behind it, and backward stops in the throttle
 (:meth:`ShardedPolicy.throttle`) for longer.
 """
-import warnings
-
 import numpy
 
 import chainer
 
 from chainermn_overlap.communication import watchdog
 from chainermn_overlap.errors import CollectiveMismatchError
-from chainermn_overlap.errors import FallbackWarning
 from chainermn_overlap.optimizers import _clipping
 from chainermn_overlap.optimizers import _layout
 from chainermn_overlap.optimizers.sharding import collectives
@@ -254,43 +251,16 @@ class ShardedPolicy(object):
                 if any(off < a < off + size for a, _ in bucket.bounds):
                     self.cut.add(id(info.param))
             self.pieces[bucket.index] = pieces
-        self._warn_whole()
+        if self.unit == 'auto' and self.rank == 0 and not self._warned_whole:
+            # Rank 0 says once which parameters it keeps whole, and why.
+            self._warned_whole = rules.warn_kept_whole(self.infos,
+                                                       self.buckets)
         shards.reconcile(self)
         self.pending_count = 0
         self._checked = None
         # The round that builds a layout posts its updates at update().
         self.snap = False
         self.posted = set()
-
-    def _warn_whole(self):
-        """Rank 0 says once which parameters ``shard_unit='auto'`` keeps
-        whole, why, and what it costs."""
-        if self.unit != 'auto' or self.rank != 0 or self._warned_whole:
-            return
-        whole = {}
-        for info in self.infos:
-            why = rules.whole_reason(info.param)
-            if why is not None:
-                whole.setdefault(why, []).append(info.name)
-        if not whole:
-            return
-        self._warned_whole = True
-        shares = [sum(b - a for a, b in (bucket.bounds[r]
-                                          for bucket in self.buckets))
-                  for r in range(len(self.buckets[0].bounds))]
-        what = '; '.join('{} on {} ({} parameter{})'.format(
-            cls, ', '.join(names[:3]) + (', ...' if len(names) > 3 else ''),
-            len(names), 's' if len(names) > 1 else '')
-            for cls, names in sorted(whole.items()))
-        warnings.warn(
-            "shard_unit='auto' keeps whole, each updated by one rank, the "
-            'parameters whose update rule or rule hook is not known to be '
-            'element-wise: {}. Results are exact; the cost is balance: the '
-            'ranks own {} to {} elements. If the class is element-wise, '
-            'declare it with chainermn_overlap.register_elementwise(cls) to '
-            "cut them evenly; shard_unit='element' refuses it instead."
-            .format(what, min(shares), max(shares)), FallbackWarning,
-            stacklevel=2)
 
     def cut_states(self):
         """Each rule's state becomes its slice's (created if missing)."""

@@ -32,6 +32,7 @@ pre-update hooks then run there.  Dynamic loss scaling is checked from
 the shards too (:mod:`.scaling`).
 """
 import copy
+import warnings
 
 import numpy
 
@@ -40,9 +41,12 @@ from chainer import optimizer as optimizer_module
 from chainer import optimizer_hooks
 from chainer import optimizers
 
+from chainermn_overlap.errors import FallbackWarning
+
 __all__ = ['DEPRECATED_ALIASES', 'ELEMENTWISE_HOOKS', 'ELEMENTWISE_RULES',
            'GLOBAL_HOOKS', 'Snapshot', 'check_optimizer', 'init_states',
-           'make_proxy', 'register_elementwise', 'whole_reason']
+           'make_proxy', 'register_elementwise', 'warn_kept_whole',
+           'whole_reason']
 
 #: Update rules whose update of a slice equals the slice of their update.
 ELEMENTWISE_RULES = {
@@ -414,3 +418,36 @@ def init_states(pieces):
                     'another layout.'.format(key, param.name, value.shape,
                                              param.shape, hi - lo))
             rule.state[key] = value.reshape(-1)[lo:hi].copy()
+
+
+def warn_kept_whole(infos, buckets):
+    """Warns (a ``FallbackWarning``) which parameters ``shard_unit='auto'``
+    keeps whole, why, and what it costs in balance; returns whether any is.
+
+    Args:
+        infos: the layout's parameter infos (``.param``, ``.name``).
+        buckets: the layout's buckets (``.bounds``: each rank's range).
+    """
+    whole = {}
+    for info in infos:
+        why = whole_reason(info.param)
+        if why is not None:
+            whole.setdefault(why, []).append(info.name)
+    if not whole:
+        return False
+    shares = [sum(b - a for a, b in (bucket.bounds[r] for bucket in buckets))
+              for r in range(len(buckets[0].bounds))]
+    what = '; '.join('{} on {} ({} parameter{})'.format(
+        cls, ', '.join(names[:3]) + (', ...' if len(names) > 3 else ''),
+        len(names), 's' if len(names) > 1 else '')
+        for cls, names in sorted(whole.items()))
+    warnings.warn(
+        "shard_unit='auto' keeps whole, each updated by one rank, the "
+        'parameters whose update rule or rule hook is not known to be '
+        'element-wise: {}. Results are exact; the cost is balance: the '
+        'ranks own {} to {} elements. If the class is element-wise, '
+        'declare it with chainermn_overlap.register_elementwise(cls) to '
+        "cut them evenly; shard_unit='element' refuses it instead."
+        .format(what, min(shares), max(shares)), FallbackWarning,
+        stacklevel=2)
+    return True
