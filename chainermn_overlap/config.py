@@ -11,8 +11,9 @@ inspector) must agree between ranks.
 ``CHAINERMN_OVERLAP_TIMEOUT`` (:data:`TIMEOUT_ENV`)
     Watchdog: seconds any wait for a reduction may take before
     :class:`~chainermn_overlap.CommunicationTimeout` is raised.  Default
-    600 (:data:`DEFAULT_TIMEOUT`); ``0`` or ``none`` disables.  The
-    optimizers' ``timeout=`` option wins over it.
+    600 (:data:`DEFAULT_TIMEOUT`); ``0`` or ``none`` disables; set but
+    empty is an error (not "off").  The optimizers' ``timeout=`` option wins
+    over it.
 ``CHAINERMN_OVERLAP_STALL_WARNING`` (:data:`STALL_WARNING_ENV`)
     Stall diagnosis: seconds of waiting before (and between)
     :class:`~chainermn_overlap.StallWarning` reports that name the ranks
@@ -134,7 +135,7 @@ DEFAULT_TIMEOUT = 600.0
 # 25 us per ring step is a typical TCP small-message latency there.
 EMULATION_DEFAULTS = {'nodes': 16, 'bandwidth': 10e9, 'latency': 25e-6}
 
-_DISABLED = ('', 'none', 'off', 'inf', 'infinity', 'never', 'false', 'no')
+_DISABLED = ('none', 'off', 'inf', 'infinity', 'never', 'false', 'no')
 _FALSE = ('', '0', 'false', 'no', 'off')
 _SIZE_UNITS = {'': 1, 'b': 1, 'kb': 10 ** 3, 'mb': 10 ** 6, 'gb': 10 ** 9,
                'kib': 2 ** 10, 'mib': 2 ** 20, 'gib': 2 ** 30}
@@ -217,6 +218,12 @@ def parse_seconds(value: Union[None, Number, str],
         return None
     if isinstance(value, str):
         text = value.strip().lower()
+        if not text:
+            # An empty setting is most often a variable expanded from
+            # nothing (NAME=$UNSET): never read it as "off".
+            raise ValueError(
+                '{} is empty: give a number of seconds, 0 or "none" to '
+                'disable, or leave it unset for the default'.format(what))
         if text in _DISABLED:
             return None
         try:

@@ -34,6 +34,7 @@ the way communication hooks or array backends are registered elsewhere.
 import atexit
 import threading
 import time
+import warnings
 import weakref
 from typing import Any, Callable, Dict, Optional
 
@@ -45,6 +46,7 @@ from chainermn_overlap.communication import watchdog as watchdog_module
 from chainermn_overlap.communication.handle import FailureLatch
 from chainermn_overlap.communication.handle import Handle
 from chainermn_overlap.errors import CommunicationError
+from chainermn_overlap.errors import StallWarning
 
 __all__ = ['Engine', 'Handle', 'check_thread_multiple', 'get_backend',
            'register_backend']
@@ -451,8 +453,21 @@ class Engine(object):
             self.inspector.close()
         # After a watchdog timeout the thread may be inside a collective
         # that never completes: do not wait for it (exit then aborts).
-        self._thread.join(None if self.stuck is None else 1.0)
+        # Else it finishes the posted work, which needs every peer: at most
+        # the watchdog's timeout, after which it is stuck too (reported
+        # here, and exit aborts the job rather than hang in MPI_Finalize).
+        limit = 1.0 if self.stuck is not None else self.watchdog.timeout
+        self._thread.join(limit)
         if self._thread.is_alive():
+            if self.stuck is None:
+                self.mark_stuck()
+                warnings.warn(
+                    '{}: close() waited {:.1f} s for the communication '
+                    'thread to finish its posted collectives; left behind '
+                    '(a peer never joined them). Exit will end the job with '
+                    'MPI_Abort; call close() on every rank at the same '
+                    'point.'.format(self.stuck, limit), StallWarning,
+                    stacklevel=2)
             return
         try:
             self.comm.Free()

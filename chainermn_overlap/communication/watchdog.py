@@ -27,13 +27,13 @@ wrong:
 Everything exchanged is numbers or JSON text: nothing from a peer is ever
 unpickled.
 """
-import gc
+import faulthandler
 import json
 import os
-import sys
+import re
+import tempfile
 import threading
 import time
-import traceback
 import warnings
 import weakref
 import zlib
@@ -199,25 +199,42 @@ _REPLY_BYTES = 2048
 
 
 def main_thread_location(depth: int = 3) -> str:
-    """``file:line in function`` of the main thread's innermost frames."""
-    # sys._current_frames() holds the interpreter's thread-list lock while
-    # it creates frame objects; a garbage collection triggered there can
-    # finalise an object that needs the same lock, and the process hangs
-    # (seen when another thread polls this every few ms).  No collection
-    # during the call.
-    collecting = gc.isenabled()
-    gc.disable()
-    try:
-        frame = sys._current_frames().get(threading.main_thread().ident)
-    finally:
-        if collecting:
-            gc.enable()
-    if frame is None:
-        return 'unknown'
-    frames = traceback.extract_stack(frame)[-depth:]
-    return ' <- '.join('{}:{} in {}'.format(
-        os.path.basename(f.filename), f.lineno, f.name)
-        for f in reversed(frames))
+    """``file:line in function`` of the main thread's innermost frames.
+
+    Read from ``faulthandler``'s dump of every thread, which walks the
+    frames in C and creates no Python objects: no collection can start
+    inside it, and the collector is left as the program set it.
+    (``sys._current_frames()`` creates frame objects while it holds the
+    interpreter's thread-list lock, and a collection started there can
+    finalise an object that needs the same lock: the process hung when
+    another thread polled it every few ms.  Turning the collector off around
+    it from this thread could turn it back on behind the main thread.)
+    """
+    ident = threading.main_thread().ident
+    with tempfile.TemporaryFile() as f:
+        faulthandler.dump_traceback(f, all_threads=True)
+        f.seek(0)
+        text = f.read().decode('utf-8', 'replace')
+    return _location_in_dump(text, ident, depth)
+
+
+def _location_in_dump(text: str, ident: int, depth: int) -> str:
+    """The first ``depth`` frames of thread ``ident`` in a faulthandler
+    dump (innermost first), as ``file:line in function <- ...``."""
+    frames, inside = [], False
+    for line in text.splitlines():
+        head = re.match(r'(?:Current thread|Thread) (0x[0-9a-fA-F]+)', line)
+        if head:
+            if inside:
+                break
+            inside = int(head.group(1), 16) == ident
+            continue
+        found = re.match(r'\s+File "(.*)", line (\d+) in (.*)$', line)
+        if inside and found and len(frames) < depth:
+            frames.append('{}:{} in {}'.format(
+                os.path.basename(found.group(1)), found.group(2),
+                found.group(3).strip()))
+    return ' <- '.join(frames) if frames else 'unknown'
 
 
 class StallInspector(object):
@@ -280,11 +297,20 @@ class StallInspector(object):
             return True
         return False
 
-    def _encode(self, info):
+    @staticmethod
+    def _encode(info):
+        # A reply that does not fit is shortened as JSON, never cut as
+        # bytes: a cut text would not decode and the rank would read as
+        # "no answer", hiding the report that matters most.
         data = json.dumps(info).encode()
         if len(data) > _REPLY_BYTES - 8:
-            info = dict(info, main_thread='(too long)')
-            data = json.dumps(info).encode()[:_REPLY_BYTES - 8]
+            info = {k: (v[:200] + '...' if isinstance(v, str)
+                        and len(v) > 200 else v) for k, v in info.items()}
+            data = json.dumps(info).encode()
+        if len(data) > _REPLY_BYTES - 8:
+            info = {'rank': info.get('rank'), 'posted': info.get('posted'),
+                    'comm_thread': '(report too long to send)'}
+            data = json.dumps(info).encode()
         out = numpy.zeros(_REPLY_BYTES, dtype=numpy.uint8)
         out[:8] = numpy.frombuffer(
             numpy.int64(len(data)).tobytes(), dtype=numpy.uint8)

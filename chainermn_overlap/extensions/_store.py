@@ -230,7 +230,9 @@ class SnapshotStore(object):
 def random_state_arrays(rs):
     """A RandomState's state as named arrays (for an npz file)."""
     name, keys, pos, has_gauss, gauss = rs.get_state()
-    assert name == 'MT19937'
+    if name != 'MT19937':
+        raise ValueError('cannot save a {} random state: only MT19937 '
+                         '(numpy.random.RandomState)'.format(name))
     return {'keys': numpy.asarray(keys, dtype=numpy.uint32),
             'misc': numpy.array([pos, has_gauss], dtype=numpy.int64),
             'gauss': numpy.array([gauss], dtype=numpy.float64)}

@@ -8,21 +8,18 @@ One iteration with ``wait='forward'``::
               -> bucket complete and all earlier buckets posted? -> post it
     update(): close the iteration: pack what is left, post it, return
 
-With ``wait='update'`` the same posting happens during backward and
-``update()`` waits for everything and runs the actual optimizer, the way
-DDP and Horovod do.  Either way every rank posts the same buckets in the
-same order (bucket index order, from a layout broadcast by rank 0), however
-its own control flow went, so collectives always match.
-
-This module is the wiring of four parts, each in its own module::
+With ``wait='update'`` ``update()`` waits for everything and runs the
+actual optimizer, as DDP and Horovod do.  Either way every rank posts the
+same buckets in the same order (index order, from rank 0's layout), however
+its control flow went, so collectives always match.  This module is the
+wiring of four parts, each in its own module::
 
     hooks (hooks/taps.py) --events--> GradientTracker (_tracker.py)
-        gradient final --> BucketReducer (_reducer.py) --> progress engine
-                           (pack, post in order,            (communication/)
-                            wait, mean via a BucketOperation)
+        gradient final --> BucketReducer (_reducer.py: pack, post in order,
+          wait, mean via a BucketOperation) --> engine (communication/)
         next forward / update() --> UpdatePolicy (_policy.py)
     LayoutManager (_layout.py): bucket layout, model checks, broadcast,
-        the per-iteration control message (skip / relayout decisions)
+        the per-iteration control message (skip / relayout)
 """
 import atexit
 import contextlib
@@ -259,7 +256,10 @@ class _OverlapState(object):
             elif tracker.changed_after_send(info):
                 tracker.raise_changed(info)
         reducer.try_post(tracker.iteration)
-        assert reducer.all_posted
+        if not reducer.all_posted:  # a bug: the peers would wait forever
+            raise RuntimeError('rank {}: update() posted {} of {} buckets'
+                               .format(self.rank, reducer.next_post,
+                                       len(reducer.buckets)))
         level, all_loaded = self.layout.wait_control()
         if level != UNCHANGED:
             self.policy.abandon_round()

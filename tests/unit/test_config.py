@@ -63,7 +63,7 @@ def test_parse_size_rejects_less_than_a_byte(value):
 
 @pytest.mark.parametrize('value, expected', [
     (None, None), (0, None), (-1, None), (float('inf'), None),
-    ('none', None), ('Off', None), (' never ', None), ('', None),
+    ('none', None), ('Off', None), (' never ', None),
     ('0', None), ('inf', None), (3, 3.0), ('2.5', 2.5), (' 7 ', 7.0)])
 def test_parse_seconds(value, expected):
     assert config.parse_seconds(value, 'timeout') == expected
@@ -218,6 +218,18 @@ def test_resolve_timeout(clean_env):
     assert config.resolve_timeout(None) == 12.0
     assert config.resolve_timeout(5) == 5.0  # the option wins
     assert config.resolve_timeout('none') is None
+
+
+@pytest.mark.parametrize('value', ['', '  '])
+def test_an_empty_time_limit_is_an_error_not_off(clean_env, value):
+    # CHAINERMN_OVERLAP_TIMEOUT=$UNSET used to turn the watchdog off.
+    clean_env.setenv(config.TIMEOUT_ENV, value)
+    with pytest.raises(ValueError, match='^CHAINERMN_OVERLAP_TIMEOUT is '
+                       'empty: give a number of seconds, 0 or "none" to '
+                       'disable, or leave it unset for the default$'):
+        config.resolve_timeout(None)
+    with pytest.raises(ValueError, match='^timeout is empty'):
+        config.resolve_timeout(value)
 
 
 def test_resolve_timeout_names_the_bad_setting(clean_env):

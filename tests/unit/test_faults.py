@@ -13,6 +13,7 @@ Chainer start-up): exception 2.4 s, SIGKILL 1.3 s, hung rank with a 3 s
 timeout 6-8 s.
 """
 import os
+import re
 import selectors
 import signal
 import subprocess
@@ -239,3 +240,32 @@ def test_abort_ends_the_process_when_no_thread_can_start(fallback):
     assert fallback, proc.stdout
     assert proc.returncode == -signal.SIGALRM, proc.stdout
     assert time.monotonic() - t0 < 6.0
+
+
+def test_close_is_bounded_when_a_peer_never_joins():
+    # close() finishes the posted collectives, which need every peer: it
+    # used to join the communication thread without limit (the job hung
+    # until killed).  Now it waits the watchdog's timeout (3 s), warns, and
+    # the exit that follows ends every rank through MPI_Abort.
+    job = os.path.join(HERE, 'close_job.py')
+    env = dict(os.environ, OMP_NUM_THREADS='1', OPENBLAS_NUM_THREADS='1')
+    env.pop('CHAINERMN_OVERLAP_TIMEOUT', None)
+    t0 = time.monotonic()
+    proc = subprocess.Popen([MPIEXEC, '-n', '2', sys.executable, job],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            env=env, start_new_session=True, text=True)
+    try:
+        out, _ = proc.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        pytest.fail('the job outlived 60 s:\n' + out)
+    elapsed = time.monotonic() - t0
+    assert 'rank 1 injects a collective rank 0 never joins' in out, out
+    left = re.search(r'rank 1 left close\(\) after ([0-9.]+) s', out)
+    assert left, out
+    assert 3.0 <= float(left.group(1)) < 10.0, out
+    assert 'never joined' in out and 'call close() on every rank' in out
+    assert 'calling MPI_Abort' in out, out
+    assert proc.returncode != 0
+    assert elapsed < 3.0 + BOUND + 10.0, (elapsed, out)

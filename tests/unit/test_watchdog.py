@@ -91,3 +91,97 @@ def test_wait_requests_is_bounded_and_names_the_operation():
         req.Wait()
         comm.Free()
     assert 'the test receive' not in watchdog.abandoned()
+
+
+def test_main_thread_location_names_it_and_leaves_the_collector_alone(
+        monkeypatch):
+    # The stall inspector's thread reads where the main thread is.  It used
+    # to turn the collector off and on around sys._current_frames(), which
+    # could turn it back on behind a main thread that had turned it off.
+    import gc
+    import threading
+    import time
+
+    def touched(*args):
+        raise AssertionError('the collector was switched from a thread')
+    monkeypatch.setattr(gc, 'disable', touched)
+    monkeypatch.setattr(gc, 'enable', touched)
+    done = threading.Event()
+    got = []
+
+    def probe():
+        time.sleep(0.2)
+        try:
+            got.append(watchdog.main_thread_location())
+        except AssertionError as e:
+            got.append(e)
+        done.set()
+
+    def main_thread_waits_here():
+        done.wait(10)
+
+    thread = threading.Thread(target=probe)
+    thread.start()
+    main_thread_waits_here()
+    thread.join()
+    assert isinstance(got[0], str), got
+    assert 'in main_thread_waits_here' in got[0], got
+    assert got[0].count(' <- ') == 2
+
+
+def test_location_in_a_dump_of_several_threads():
+    dump = ('Thread 0x00007f0000000002 (most recent call first):\n'
+            '  File "/x/other.py", line 9 in spin\n\n'
+            'Current thread 0x00007f0000000001 (most recent call first):\n'
+            '  File "/x/a.py", line 3 in inner\n'
+            '  File "/x/b.py", line 30 in outer\n'
+            '  File "/x/c.py", line 1 in <module>\n')
+    assert watchdog._location_in_dump(dump, 0x7f0000000001, 2) == (
+        'a.py:3 in inner <- b.py:30 in outer')
+    assert watchdog._location_in_dump(dump, 0x7f0000000002, 3) == (
+        'other.py:9 in spin')
+    assert watchdog._location_in_dump(dump, 5, 3) == 'unknown'
+
+
+def test_a_long_stall_report_still_decodes():
+    # A report over the reply's size used to be cut as bytes, which did not
+    # decode: that rank then read as "no answer".  The negative control
+    # shows the cut text is undecodable indeed.
+    import json
+    info = {'rank': 1, 'posted': 41, 'last_posted': 'bucket 3',
+            'comm_thread': 'in ' + 'x' * 5000, 'main_thread': 'y' * 3000}
+    cut = json.dumps(info).encode()[:watchdog._REPLY_BYTES - 8]
+    with pytest.raises(ValueError):
+        json.loads(cut.decode())
+    got = watchdog.StallInspector._decode(
+        watchdog.StallInspector._encode(info))
+    assert got['rank'] == 1 and got['posted'] == 41
+    assert got['last_posted'] == 'bucket 3'
+    assert got['comm_thread'].startswith('in xxx')
+    huge = dict(info, **{'k%d' % i: 'v' * 150 for i in range(40)})
+    got = watchdog.StallInspector._decode(
+        watchdog.StallInspector._encode(huge))
+    assert got == {'rank': 1, 'posted': 41,
+                   'comm_thread': '(report too long to send)'}
+
+
+def test_no_assert_in_library_code():
+    # Under python -O an assert disappears: none may guard control flow.
+    import ast
+    import os
+    package = os.path.dirname(os.path.dirname(os.path.abspath(
+        watchdog.__file__)))
+    found = []
+    for folder, _, files in os.walk(package):
+        if os.path.basename(folder) == 'testing':
+            continue   # helpers of the test suite
+        for name in files:
+            if name.endswith('.py'):
+                path = os.path.join(folder, name)
+                with open(path) as f:
+                    tree = ast.parse(f.read())
+                found += ['{}:{}'.format(os.path.relpath(path, package),
+                                         node.lineno)
+                          for node in ast.walk(tree)
+                          if isinstance(node, ast.Assert)]
+    assert not found, found
