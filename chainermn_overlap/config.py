@@ -6,7 +6,8 @@ accepted (and each mistake reported) the same way everywhere.
 
 Environment variables.  Pass the same value to every rank (for example
 ``mpiexec -genv NAME VALUE``): settings that start collectives (the stall
-inspector) must agree between ranks.
+inspector) must agree between ranks; the engines check that they do (one
+tiny allreduce) and raise on every rank when they do not.
 
 ``CHAINERMN_OVERLAP_TIMEOUT`` (:data:`TIMEOUT_ENV`)
     Watchdog: seconds any wait for a reduction may take before

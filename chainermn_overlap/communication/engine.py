@@ -189,7 +189,12 @@ class Engine(object):
         self._closed = False
         self._current = None  # the _Activity the thread is inside
         self._latch = FailureLatch(self.rank, self.name)
-        self.configure(timeout, stall_warning, debug, mpi_comm=mpi_comm)
+        try:
+            self.configure(timeout, stall_warning, debug, mpi_comm=mpi_comm)
+        except ValueError:   # the same on every rank (an agreement failed)
+            if comm is None:
+                self.comm.Free()
+            raise
         self._thread = threading.Thread(
             target=self._thread_main, name='chainermn_overlap-comm',
             daemon=True)
@@ -219,6 +224,8 @@ class Engine(object):
         self.debug = debug
         if mpi_comm is None:
             return
+        _agree_on_stall_reports(mpi_comm, stall_warning is not None,
+                                self.rank, timeout)
         if stall_warning is not None and self.inspector is None:
             self.inspector = watchdog_module.StallInspector(
                 mpi_comm, self.status, owner=self)
@@ -474,6 +481,27 @@ class Engine(object):
         except Exception:  # MPI may already be finalized at exit
             pass
         _LIVE.discard(self)
+
+
+def _agree_on_stall_reports(mpi_comm: Any, on: bool, rank: int,
+                            timeout: Optional[float]) -> None:
+    """Raises on every rank unless all ranks turn stall reports on, or all
+    off: the inspector's ``Dup`` is a collective, and an environment
+    variable set on some ranks only would leave the others waiting in it.
+    One tiny allreduce (bounded by the watchdog's timeout)."""
+    import numpy
+    from mpi4py import MPI
+    flags = numpy.array([on, not on], dtype=numpy.int32)
+    request = mpi_comm.Iallreduce(MPI.IN_PLACE, flags, op=MPI.MAX)
+    watchdog_module.wait_requests([request], 'the agreement on stall '
+                                  'reports', rank, timeout)
+    if flags.all():
+        raise ValueError(
+            'rank {}: stall reports are on for some ranks and off for '
+            'others ({} or stall_warning= differ between ranks; here: {}): '
+            'give every rank the same value (mpiexec -genv {} S)'.format(
+                rank, config.STALL_WARNING_ENV, 'on' if on else 'off',
+                config.STALL_WARNING_ENV))
 
 
 def _resolve(timeout, stall_warning, debug):

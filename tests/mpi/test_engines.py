@@ -324,6 +324,27 @@ def test_the_stall_report_names_the_rank_that_has_not_posted(name):
         engine.close()
 
 
+@needs_two
+@pytest.mark.parametrize('name', ENGINES)
+def test_stall_reports_on_some_ranks_only_is_an_error_on_every_rank(name):
+    # The inspector's Dup is a collective: with the setting on the last
+    # rank only (as an environment variable given to one rank would), that
+    # rank used to wait in it while the others went on.  Now every rank
+    # raises, at construction, within the watchdog's timeout.
+    t0 = time.monotonic()
+    with pytest.raises(ValueError, match='stall reports are on for some '
+                       'ranks and off for others') as e:
+        make(name, stall_warning=0.5 if RANK == LAST else None, timeout=20)
+    assert 'rank {}:'.format(RANK) in str(e.value)
+    assert time.monotonic() - t0 < 20
+    assert on_every_rank(True)
+    engine = make(name, stall_warning=0.5, timeout=20)   # agreed: fine
+    try:
+        assert engine.inspector is not None
+    finally:
+        engine.close()
+
+
 # ---------------------------------------------------------------------------
 # The failure latch
 # ---------------------------------------------------------------------------
