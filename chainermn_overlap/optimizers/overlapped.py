@@ -310,20 +310,20 @@ class _OverlapState(object):
         return [p for _, p, _ in self.layout.grouped]
 
     def _reduce_groups(self):
-        """Reduces the parameters that live on part of the processes.
-
-        Each is summed over its group (``param.reduction_group``: the
-        processes holding the same block) and scaled by the group's
-        ``sum_scale``, blocking, in name order: the same sequence on every
-        member of every group.  ``param.grad`` then holds the result.
-        """
+        """Reduces the parameters that live on part of the processes: each
+        summed over its group (``param.reduction_group``: the processes
+        holding the same block), scaled by its ``sum_scale``, in name order
+        (the same sequence on every member of every group), bounded by the
+        watchdog.  ``param.grad`` then holds the result."""
         from mpi4py import MPI
-        for _, p, group in self.layout.grouped:
+        for name, p, group in self.layout.grouped:
             if p.grad is None:
                 p.grad = p.array * 0
             host, finish = _host.stage_to_host(p.grad)
             buf = numpy.ascontiguousarray(host)
-            group.mpi_comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM)
+            self.policy.wait_requests(
+                [group.mpi_comm.Iallreduce(MPI.IN_PLACE, buf, op=MPI.SUM)],
+                'the reduction of {} over its distconv group'.format(name))
             buf *= buf.dtype.type(group.sum_scale)
             if buf is not host:
                 host[...] = buf
