@@ -94,6 +94,8 @@ def test_gradient_scaling_trains_under_every_shard_mode(comm, shard):
         eq.assert_equivalent(got.model, ref.model, persistents=False,
                              what='shard={!r}'.format(shard),
                              **_tolerance(comm, shard))
+        if comm.size == 1:
+            return   # one rank cuts nothing: the equality is what is left
         policy = got.opt._overlap.policy
         names = {id(p): n for n, p in got.model.namedparams()}
         cut = {names[i] for i in policy.cut}
@@ -108,7 +110,7 @@ def test_gradient_scaling_trains_under_every_shard_mode(comm, shard):
             for start, _ in layout.bounds_from_counts(layout.element_counts(
                 b.plan.nelems, comm.size, rotate=b.index))
             if name.endswith('/b') and off < start < off + size]
-        eq.assert_all_ranks(comm.size == 1 or bool(straddled),
+        eq.assert_all_ranks(bool(straddled),
                             'no bias would be cut by an even cut', comm)
         warned = [str(w.message) for w in got.warnings
                   if issubclass(w.category, FallbackWarning)]
