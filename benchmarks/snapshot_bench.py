@@ -9,8 +9,9 @@ Workload: an MLP 1024 -> H -> 1024 -> 10 (H = 2048: 4.2 M parameters,
 trained two steps at ``--ranks`` ranks (``mpiexec`` on this machine), then
 one :func:`~chainermn_overlap.extensions.auto_snapshot` snapshot written.
 Modes: ours unsharded; ``shard='optimizer'`` and ``'parameters'``, each
-with sharded snapshot files (each rank writes its slices) and, as before
-them, with whole states in every file (the states gathered on every rank:
+with sharded snapshot files (each rank writes its slices of the states and
+of the parameters) and, as before them, with whole states and parameters
+in every file (the states gathered on every rank:
 ``--whole-snapshots`` of ``tests/unit/restart_job.py``, the same patch).
 
 Reported per mode: bytes of the snapshot folder on disk, the optimizer
@@ -90,7 +91,11 @@ def worker(cfg):
 
     @training.make_extension(trigger=(3, 'iteration'), priority=-200)
     def measure(trainer):
-        opt.synchronize()
+        if cfg['shard'] != 'parameters':
+            # (With shard='parameters' synchronize() would fetch every
+            # parameter whole before the write is measured: the write
+            # synchronizes itself.)
+            opt.synchronize()
         gc.collect()
         tracemalloc.start()
         before = tracemalloc.get_traced_memory()[0]
@@ -128,9 +133,10 @@ def run_mode(n, name, shard, sharded, hidden, log):
         shutil.rmtree(tmp, ignore_errors=True)
     p = res['parameters']
     params_bytes, state_bytes = 4 * p, 8 * p
-    # Every rank file holds the parameters (4 B each): the rest is the
-    # optimizer state (and small entries: iterators, random states).
-    state_on_disk = disk - n * params_bytes
+    # Sharded files hold each parameter slice once (its owner's), whole
+    # files the whole parameters (4 B each) each: the rest is the optimizer
+    # state (and small entries: iterators, random states).
+    state_on_disk = disk - (1 if sharded else n) * params_bytes
     row = {'shard': shard, 'sharded_files': sharded, 'disk_bytes': disk,
            'parameters': p, 'state_bytes': state_bytes,
            'state_copies_on_disk': state_on_disk / float(state_bytes),

@@ -54,6 +54,7 @@ SHARD_FILES = ['tests/mpi/test_equivalence.py', 'tests/mpi/test_changed_params.p
 # rank count changes in their code; running them at 4 on 2 cores cost
 # 120 s of make test and checked nothing 2 and 3 do not.
 AT_FOUR = ['tests/mpi/distconv', 'tests/mpi/test_sharding.py',
+           'tests/mpi/test_shard_memory.py',
            'tests/mpi/test_shard_server.py', 'tests/mpi/test_compression.py']
 # A tier past this is killed and failed (a hang must not hold CI).
 TIER_TIMEOUT = float(os.environ.get('TEST_TIMEOUT', 1200))

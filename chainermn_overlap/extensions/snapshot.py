@@ -18,10 +18,12 @@ the iterators (each rank iterates its own share of a scattered dataset) and
 the random states differ between ranks, so a per-rank file is the only way
 to continue each rank's data order exactly.  The cost is ``size`` copies of
 the replicated state on disk, except for a sharded optimizer's (``shard=``):
-each rank writes only its slices of the update-rule states, with their
-ranges, and nothing is gathered (:mod:`chainermn_overlap.optimizers.sharding.shards`); at
-another rank count, or into an optimizer without ``shard=``, whole states
-are rebuilt from every rank's file.
+each rank writes only its slices of the update-rule states and of the
+model's parameters (the same ranges), with their ranges, and nothing is
+gathered (:mod:`chainermn_overlap.optimizers.sharding.shards`): one copy
+of both.  The parameters are rebuilt whole from every rank's file at any
+rank count; the states too at another rank count, or into an optimizer
+without ``shard=``.
 
 Layout, in ``directory`` (which every rank must see: a shared file system
 on several nodes)::
@@ -126,25 +128,24 @@ class SnapshotWarning(UserWarning):
 
 
 def _needs_whole(data, trainer, same_size):
-    """Whether ``data`` holds slices (a sharded snapshot) that this job
-    cannot read as they are: another rank count, or an optimizer that is
-    not sharded now."""
+    """The prefixes under which ``data`` holds slices (a sharded snapshot)
+    that this job cannot read as they are: the model parameters (always:
+    each element was written by one rank), and the optimizer states at
+    another rank count or into an optimizer that is not sharded now."""
     prefixes = {k[:-len(shards.RANGES_KEY)] for k in data
                 if k.endswith('/' + shards.RANGES_KEY)}
-    if not prefixes:
-        return False
     if not same_size:
-        return True
+        return prefixes
     sharded = {'updater/optimizer:{}/'.format(name)
                for name, opt in trainer.updater.get_all_optimizers().items()
                if shards.policy_of(opt) is not None}
-    return not prefixes <= sharded
+    return prefixes - sharded
 
 
-def _assemble(data, paths):
+def _assemble(data, paths, prefixes):
     files = [numpy.load(p, allow_pickle=False) for p in paths]
     try:
-        shards.assemble(data, files)
+        shards.assemble(data, files, prefixes)
     finally:
         for f in files:
             f.close()
@@ -283,11 +284,13 @@ class AutoSnapshot(extension_module.Extension):
         path = os.path.join(folder, manifest['files'][src]['name'])
         with numpy.load(path, allow_pickle=False) as npz:
             data = {k: npz[k] for k in npz.files}
-        if _needs_whole(data, trainer, same_size):
-            # Slices of sharded optimizers, for another rank count or an
-            # optimizer that is not sharded: whole states from every file.
+        prefixes = _needs_whole(data, trainer, same_size)
+        if prefixes:
+            # Slices of the parameters, and of sharded optimizers' states
+            # for another rank count or an optimizer that is not sharded:
+            # whole arrays from every file.
             _assemble(data, [os.path.join(folder, f['name'])
-                             for f in manifest['files']])
+                             for f in manifest['files']], prefixes)
         ignore = None
         if not same_size:
             def ignore(key):
@@ -339,8 +342,13 @@ class AutoSnapshot(extension_module.Extension):
                       .format(iteration))
         data = {}
         # A sharded optimizer writes its own slices (no gathering).
-        with shards.saving(trainer.updater.get_all_optimizers().values()):
+        optimizers = trainer.updater.get_all_optimizers()
+        with shards.saving(optimizers.values()):
             trainer.serialize(serializers.DictionarySerializer(data))
+            # Each parameter slice once, by the rank that owns it.
+            for opt_name, opt in optimizers.items():
+                shards.write_params(opt, data,
+                                    'updater/model:{}/'.format(opt_name))
         for key, rs in random_states(trainer).items():
             for k, v in random_state_arrays(rs).items():
                 data['{}random/{}/{}'.format(_EXTRA, key, k)] = v

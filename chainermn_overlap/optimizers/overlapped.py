@@ -124,10 +124,9 @@ class _OverlapState(object):
             pending_count=lambda: self.policy.pending_count)
         self.tracker.release_grads = shard in ('gradients', 'parameters')
         if self.tracker.release_grads and shard_opts.in_flight is not None:
-            # Bounds the gradients held in backward; 'optimizer' keeps
-            # every gradient whole anyway, and waiting costs speed.
             self.policy.in_flight = shard_opts.in_flight
-            self.reducer.before_new_buffer = self.policy.throttle
+            if shard_opts.in_flight != 'auto':   # 'auto': between steps
+                self.reducer.before_new_buffer = self.policy.throttle
         self.reducer.keep_packed = not self.tracker.release_grads
         if shard == 'parameters':
             self.tracker.shard_params = self.policy
@@ -342,8 +341,8 @@ class _OverlapState(object):
                 self.policy.wait_posted(bucket)
             elif bucket.handle is not None:
                 self._flush_bucket(bucket)
-        if self.shard == 'parameters':
-            self.policy.materialize()
+        if self.shard == 'parameters' and not self.policy.save_shards:
+            self.policy.materialize()   # (saving: shards.write_params)
 
     def mark_loaded(self):
         """Parameters were deserialized: broadcast them at the next update."""
@@ -547,9 +546,10 @@ def create_overlapped_optimizer(
         shard_in_flight (int or str): with ``'gradients'`` and
             ``'parameters'``: the bytes of full gradient buckets a rank may
             hold waiting for their reduce-scatter before backward waits for
-            the oldest (a number or a string such as ``'32MB'``; ``None``:
-            no bound).  Default ``'auto'``: no bound (at most the whole
-            gradient, as unsharded).
+            the oldest, and when ``update()`` returns (``'32MB'``...).
+            Default ``'auto'``: ``update()`` returns once less than 1/8 of
+            the parameters' bytes waits; backward never waits.  ``None``:
+            never waits (stage 1's memory between steps, ``'forward'``).
         shard_prefetch (int or str): with ``'parameters'``: the bytes of
             whole parameters a rank holds besides the bucket in use,
             fetched ahead in the order of the last iteration's uses

@@ -262,6 +262,43 @@ def sharding_memory_table(results=RESULTS):
                  ['sharding.json'])
 
 
+# What each stage promises between steps, as a fraction of ChainerMN's
+# bytes (docs/sharding.md): its ideal plus 0.07, the ideal counting the
+# reduced gradient slice (4/N) that stage 1 too holds until its update.
+SHARD_PROMISE_MARGIN = 0.07
+SHARD_PROMISE_IDEAL = {'optimizer': lambda n: 8 + 12.0 / n,
+                       'gradients': lambda n: 4 + 12.0 / n,
+                       'parameters': lambda n: 16.0 / n}
+
+
+@table('sharding-memory-promise')
+def sharding_memory_promise_table(results=RESULTS):
+    d = load('sharding.json', results)['memory']
+    ranks = [n for n in sorted(d, key=int) if int(n) > 1]
+    rows = []
+    for key, label in SHARD_MODES[2:]:
+        cells = [label]
+        for n in ranks:
+            got = d[n]['rows']
+            base = got['chainermn:update']['bytes_per_param_after_update']
+            ideal = SHARD_PROMISE_IDEAL[key](int(n)) / base
+            cells.append('%.2f (%.2f)' % (ideal,
+                                          ideal + SHARD_PROMISE_MARGIN))
+            cells += [f2(got[key + ':' + wait]
+                         ['bytes_per_param_after_update'] / base)
+                      for wait in ('forward', 'update')]
+        rows.append(cells)
+    head = ['mode']
+    for n in ranks:
+        head += ['%s ranks: ideal (promised)' % n,
+                 "`wait='forward'`", "`wait='update'`"]
+    return Table('Bytes each rank holds after `update()` returns, as a '
+                 "fraction of ChainerMN's (Adam, %.1f M parameters; the "
+                 'largest rank; defaults)' % (d[ranks[0]]['parameters']
+                                              / 1e6),
+                 head, rows, ['sharding.json'])
+
+
 @table('sharding-speed')
 def sharding_speed_table(results=RESULTS):
     d = load('sharding.json', results)['speed']

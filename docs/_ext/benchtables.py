@@ -208,13 +208,16 @@ def snapshot_figures(d):
     out = {'snapshot_ranks': str(d['config']['ranks']),
            'snapshot_params_m': '%.1f' % (
                rows['optimizer']['parameters'] / 1e6)}
-    for key in ('optimizer', 'optimizer_whole_files', 'parameters'):
+    for key in ('optimizer', 'optimizer_whole_files', 'parameters',
+                'parameters_whole_files'):
         r = rows[key]
         out['snapshot_disk_mb_' + key] = '%.0f' % (r['disk_bytes'] / 1e6)
         out['snapshot_state_copies_' + key] = '%.2f' % r[
             'state_copies_on_disk']
         out['snapshot_peak_mb_' + key] = '%.1f' % (
             max(r['save_peak_bytes_per_rank']) / 1e6)
+        out['snapshot_copies_' + key] = '%.2f' % r[
+            'disk_copies_of_params_and_state']
     return out
 
 

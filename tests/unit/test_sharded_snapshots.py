@@ -25,6 +25,8 @@ from test_restart import (ROOT, assert_bit_identical, assert_finished,
 
 OPT = 'updater/optimizer:main/'
 RANGES = OPT + 'shard_ranges'
+MODEL = 'updater/model:main/'
+MODEL_RANGES = MODEL + 'shard_ranges'
 
 
 def _rank_files(snap_dir, iteration):
@@ -76,6 +78,44 @@ def test_files_hold_slices_and_a_kill_resumes_exactly(tmp_path,
         joined = np.concatenate([p for _, p in sorted(parts,
                                                       key=lambda x: x[0])])
         assert joined.tobytes() == value.reshape(-1).tobytes(), key
+    _model_slices_cover_each_parameter_once(files)
+
+
+def _model_slices_cover_each_parameter_once(files):
+    """Every parameter of the model is split over the files, once."""
+    records = [json.loads(str(f[MODEL_RANGES][()])) for f in files]
+    assert records[0]
+    for name, entry in records[0].items():
+        key = MODEL + name.lstrip('/')
+        spans = sorted((rec[name]['lo'], rec[name]['hi'], f[key].size)
+                       for rec, f in zip(records, files))
+        assert all(hi - lo == n for lo, hi, n in spans), (key, spans)
+        assert sum(n for _, _, n in spans) == int(np.prod(entry['shape']))
+
+
+@pytest.mark.parametrize('shard', ['optimizer', 'parameters'])
+def test_snapshot_files_hold_one_copy_at_4_ranks(shard):
+    # Adam MLP of benchmarks/snapshot_bench.py (hidden 1024: 2.1 M
+    # parameters): the files' total is one copy of parameters and states,
+    # each parameter slice written by one rank; before, every file held
+    # the whole parameters (2.0 copies at 4 ranks with Adam).  With
+    # shard='parameters' the write gathers no whole model: its memory
+    # stays below half the parameters' bytes (it fetched them all whole
+    # before, 4 bytes each).
+    from benchmarks import snapshot_bench
+    row = snapshot_bench.run_mode(4, shard, shard, True, 1024,
+                                  lambda msg: None)
+    assert row['disk_copies_of_params_and_state'] <= 1.1, row
+    if shard == 'parameters':
+        assert max(row['save_peak_bytes_per_rank']) < \
+            2 * row['parameters'], row
+
+
+def test_negative_control_whole_files_hold_four_copies_of_parameters():
+    from benchmarks import snapshot_bench
+    row = snapshot_bench.run_mode(4, 'optimizer_whole_files', 'optimizer',
+                                  False, 1024, lambda msg: None)
+    assert row['disk_copies_of_params_and_state'] > 1.9, row
 
 
 def test_negative_control_unsharded_files_hold_whole_copies(tmp_path):
@@ -86,7 +126,7 @@ def test_negative_control_unsharded_files_hold_whole_copies(tmp_path):
     files = [np.load(p) for p in _rank_files(str(tmp_path / 'snap'), 24)]
     whole = _whole_states(result)
     for f in files:
-        assert RANGES not in f.files
+        assert RANGES not in f.files and MODEL_RANGES not in f.files
         for key, value in whole.items():
             assert f[key].shape == value.shape
 
@@ -103,6 +143,8 @@ def _resume(tmp_path, name, first, then, whole=False):
     files = [np.load(p) for p in _rank_files(str(d / 'snap'), 8)]
     assert len(files) == ranks
     assert all((RANGES in f.files) != whole for f in files)
+    if not whole:
+        _model_slices_cover_each_parameter_once(files)
     ranks, opts = then
     return result, mpirun(args + opts, ranks=ranks)
 
@@ -112,6 +154,16 @@ def test_resume_on_fewer_ranks_from_shards(tmp_path):
     # ranks go on from there: the same bits as when the 4-rank files held
     # whole states.
     steps = ((4, ['--shard', 'optimizer']), (2, ['--shard', 'optimizer']))
+    result, out = _resume(tmp_path, 'sharded', *steps)
+    assert 'written by 4 ranks on 2' in out, out
+    ref, _ = _resume(tmp_path, 'whole', *steps, whole=True)
+    assert_bit_identical(result, ref)
+
+
+def test_resume_on_fewer_ranks_from_parameter_shards(tmp_path):
+    # shard='parameters' at 4 ranks wrote each rank's own pieces of the
+    # parameters (a quarter each): 2 ranks go on from them, exactly.
+    steps = ((4, ['--shard', 'parameters']), (2, ['--shard', 'parameters']))
     result, out = _resume(tmp_path, 'sharded', *steps)
     assert 'written by 4 ranks on 2' in out, out
     ref, _ = _resume(tmp_path, 'whole', *steps, whole=True)
@@ -200,6 +252,11 @@ def test_consolidate_writes_one_file_of_whole_states(tmp_path):
     assert not [k for k in data.files if k.startswith('auto_snapshot/')]
     for key, value in _whole_states(result).items():
         assert data[key].tobytes() == value.tobytes(), key
+    # The parameters, written in slices, are whole again.
+    assert MODEL_RANGES not in data.files
+    model = {k: data[k] for k in data.files if k.startswith(MODEL)}
+    assert model and all(v.ndim >= 1 for v in model.values())
+    assert data[MODEL + 'predictor/l2/W'].shape == (32, 32)
     # ChainerMN's optimizer (any Chainer optimizer) loads it.
     check = (
         'import sys, chainer, numpy as np\n'

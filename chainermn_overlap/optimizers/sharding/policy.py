@@ -46,6 +46,7 @@ from chainermn_overlap.optimizers import _clipping
 from chainermn_overlap.optimizers import _layout
 from chainermn_overlap.optimizers.sharding import collectives
 from chainermn_overlap.optimizers.sharding import layout as shard_layout
+from chainermn_overlap.optimizers.sharding import options
 from chainermn_overlap.optimizers.sharding import rules
 from chainermn_overlap.optimizers.sharding import scaling
 from chainermn_overlap.optimizers.sharding import shards
@@ -184,7 +185,7 @@ class ShardedPolicy(object):
     gather_wait = 'sleep'
     # How many full gradient buffers may wait for their reduce-scatter while
     # backward goes on: (n, 'bytes' or 'buckets'), set by the optimizer from
-    # shard_in_flight (throttle()).
+    # shard_in_flight (throttle(), settle()); 'auto': settle() only.
     in_flight = None
 
     def __init__(self, actual, wait, reducer, timeline, rank, unit,
@@ -320,7 +321,25 @@ class ShardedPolicy(object):
         waiting for their reduce-scatter reach ``in_flight`` (bytes or
         buckets), wait for the oldest (what bounds the gradients a rank
         holds during backward when the link is slower than the compute)."""
-        limit, unit = self.in_flight
+        self._wait_in_flight(*self.in_flight)
+
+    def settle(self):
+        """When ``update()`` returns without waiting for the reductions
+        (``wait='forward'``): leaves in flight less than the bound of
+        ``shard_in_flight`` (its part of the parameters' bytes for
+        ``'auto'``), waiting for the oldest reduce-scatters first.  The
+        next forward's first links need the newest, which the link sends
+        after those: the wait takes little from the overlap, and what a
+        rank holds between steps stays within its stage's promise."""
+        if self.in_flight == 'auto':
+            total = sum(b.plan.nelems * numpy.dtype(b.param_dtype).itemsize
+                        for b in self.buckets)
+            self._wait_in_flight(
+                total // options.AUTO_IN_FLIGHT_FRACTION, 'bytes')
+        elif self.in_flight is not None:
+            self._wait_in_flight(*self.in_flight)
+
+    def _wait_in_flight(self, limit, unit):
         waiting = []
         for b in self.buckets:
             buf = b.buffer     # the communication thread drops it when done
@@ -426,6 +445,7 @@ class ShardedPolicy(object):
             for info in self.infos:
                 info.pending = True
             self.pending_count = len(self.infos)
+            self.settle()
 
     def complete_in_update(self, immediate=()):
         """``update()`` of a rebuilt layout: post and wait for every B

@@ -12,7 +12,11 @@ sharded optimizer writes instead, with no communication:
   rank owns (empty where it owns none);
 * under ``shard_ranges`` (a JSON text, :data:`RANGES_KEY`), for each such
   parameter (named as ``namedparams()``) its ``lo``, ``hi``, ``shape`` and
-  the state keys sliced.
+  the state keys sliced;
+* the model's parameters, likewise (:func:`write_params`): the same slice
+  of each, under the model's keys, with a ``shard_ranges`` of the model
+  whose key ``''`` names the parameter itself; with ``shard='parameters'``
+  a rank's own pieces, nothing fetched.  Each element is on disk once.
 
 Reading them back:
 
@@ -26,7 +30,8 @@ Reading them back:
 * at another number of ranks, or into an optimizer that is not sharded,
   :func:`assemble` rebuilds whole arrays from every rank's file (reading
   one file's slice at a time), as ``python -m chainermn_overlap.snapshot
-  consolidate`` does for a single file that ChainerMN's ``load_npz`` reads.
+  consolidate`` does for a single file that ChainerMN's ``load_npz`` reads;
+  the model's parameters are rebuilt so at any number of ranks.
 
 Everything read is checked (JSON, never pickle; the ranges must partition
 each parameter): a file that does not fit raises an error naming it.
@@ -42,7 +47,7 @@ from chainermn_overlap import _host
 from chainermn_overlap import _mpi_json
 
 __all__ = ['RANGES_KEY', 'assemble', 'policy_of', 'read_ranges',
-           'reconcile', 'saving', 'write']
+           'reconcile', 'saving', 'write', 'write_params']
 
 RANGES_KEY = 'shard_ranges'
 
@@ -103,6 +108,78 @@ def write(policy, actual, serializer):
                         'keys': keys}
     serializer(RANGES_KEY, numpy.array(json.dumps(record, sort_keys=True)))
     actual.serialize(serializer)
+
+
+def _is_placeholder(array):
+    # A released parameter of shard='parameters' (params.placeholder).
+    return (isinstance(array, numpy.ndarray) and array.ndim > 0
+            and array.size > 0 and all(st == 0 for st in array.strides))
+
+
+def write_params(optimizer, data, prefix):
+    """Inside :func:`saving`, after the trainer was serialized into
+    ``data`` (a ``DictionarySerializer``'s dict): the parameters of
+    ``optimizer``'s model, found under ``prefix``, become this rank's
+    slices, the ranges of its update-rule states (so that each element is
+    written by one rank), with their record under ``prefix + RANGES_KEY``.
+
+    With ``shard='parameters'`` nothing was gathered to serialize them
+    (``synchronize()`` leaves them released while saving): a released
+    slice is this rank's own piece.  A released parameter serialized under
+    another key than its model's is fetched whole for it.
+    """
+    policy = policy_of(optimizer)
+    if policy is None or not policy.save_shards:
+        return
+    params = _params(policy)
+    released = getattr(policy, 'released', ())
+    own = {}
+    for bucket in policy.buckets:
+        if bucket.index in released:
+            master = policy.master[bucket.index]
+            for piece in policy.pieces[bucket.index]:
+                own[id(piece.info.param)] = master[
+                    piece.at:piece.at + piece.hi - piece.lo]
+    sliced = set()
+    if policy.states_sharded or policy.loaded_ranges is not None:
+        ranges = (policy.loaded_ranges if policy.loaded_ranges is not None
+                  else current_ranges(policy))
+        record = {}
+        for name, (lo, hi) in sorted(ranges.items()):
+            key = prefix + name.lstrip('/')
+            param = params[name]
+            if key not in data or data[key] is not param.array:
+                continue   # not this model's array (a copy: left whole)
+            if id(param) in own:
+                part = own[id(param)]
+            elif _is_placeholder(param.array):
+                continue
+            else:
+                part = param.array.reshape(-1)[lo:hi]
+            # A view, as the serializer keeps the other arrays: written
+            # before the next update changes it.
+            data[key] = _host.to_host(part)
+            record[name] = {'lo': lo, 'hi': hi, 'shape': list(param.shape),
+                            'keys': ['']}
+            sliced.add(key)
+        if record:
+            data[prefix + RANGES_KEY] = numpy.array(
+                json.dumps(record, sort_keys=True))
+    held = {id(p.array): p for p in params.values()
+            if _is_placeholder(p.array)}
+    stray = [k for k, v in data.items() if k not in sliced and id(v) in held]
+    if stray:
+        whole = {k: held[id(data[k])] for k in stray}
+        policy.materialize()
+        for k, param in whole.items():
+            data[k] = numpy.array(_host.to_host(param.array))
+
+
+def _key(prefix, name, key):
+    # '' names the parameter itself (a model's record), else a state.
+    name = name.strip('/')
+    return prefix + name if key == '' else '{}{}/{}'.format(prefix, name,
+                                                           key)
 
 
 def _checked_record(raw, where):
@@ -220,9 +297,9 @@ def _gather_whole(policy, param, name, bounds, wait):
         state[key] = xp.asarray(whole).reshape(param.shape)
 
 
-def assemble(data, files):
-    """``data`` (one rank's file, a dict) with whole states instead of
-    slices, read from every rank's file.
+def assemble(data, files, prefixes=None):
+    """``data`` (one rank's file, a dict) with whole states and parameters
+    instead of slices, read from every rank's file.
 
     Args:
         data (dict): key -> array, from one rank's file (changed in place
@@ -230,10 +307,14 @@ def assemble(data, files):
         files (list): every rank's file of the snapshot, opened
             (``numpy.load``, lazy: one slice is read at a time), in rank
             order.
+        prefixes (set): only the records under these prefixes (such as
+            ``'updater/model:main/'``); None: every record.
     """
     suffix = '/' + RANGES_KEY
     for rkey in [k for k in data if k == RANGES_KEY or k.endswith(suffix)]:
         prefix = rkey[:-len(RANGES_KEY)]
+        if prefixes is not None and prefix not in prefixes:
+            continue
         records = []
         for r, f in enumerate(files):
             if rkey not in f.files:
@@ -245,7 +326,7 @@ def assemble(data, files):
             shape = tuple(entry['shape'])
             size = int(numpy.prod(shape))
             for key in entry['keys']:
-                full = '{}{}/{}'.format(prefix, name.strip('/'), key)
+                full = _key(prefix, name, key)
                 whole, at = None, 0
                 parts = sorted((rec[name]['lo'], rec[name]['hi'], r)
                                for r, rec in enumerate(records)
