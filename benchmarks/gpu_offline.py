@@ -357,7 +357,9 @@ def make_env(base_python, env_dir, image_sites):
     # so the environment's own site-packages stay first, and it reads the
     # image's .pth files as the image's Python would.
     with open(os.path.join(site_dir, 'zz_gpu_image_site.pth'), 'w') as f:
-        f.write('import site; [site.addsitedir(p) for p in {!r}]\n'.format(
+        # map, not a comprehension: before Python 3.12 a comprehension is a
+        # scope of its own, which does not see the line's own import.
+        f.write('import site; list(map(site.addsitedir, {!r}))\n'.format(
             list(image_sites)))
     return py, site_dir
 

@@ -68,9 +68,13 @@ def test_reductions_are_hidden_behind_compute(comm):
         print('hidden fraction (min over ranks):', results)
     # The blocking control posts its only bucket inside update() and
     # waits for it there: nothing can be hidden.
-    assert results['control'] < 0.25, results
+    assert results['control'] < 0.15, results
     # Alone the overlapped modes hide 0.74-0.86; late in the full suite on
-    # a 2-core CI machine 0.55-0.58 was seen: the bound keeps a wide margin
-    # over the control (about 0) without failing on that.
-    assert results['forward'] > 0.45, results
-    assert results['update'] > 0.45, results
+    # a 2-core CI machine 0.55-0.58 was seen, and on the same machine on
+    # another day, quiet, medians of 0.25-0.94 (forward) and 0.30-0.94
+    # (update) over eleven runs of the code before and after one change,
+    # with the control at -0.04 to -0.01 every time: the bound keeps a
+    # margin over the control (about 0; it must stay below 0.15) without
+    # failing on that spread.
+    assert results['forward'] > 0.2, results
+    assert results['update'] > 0.2, results
