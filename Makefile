@@ -31,6 +31,7 @@ $(STAMP): requirements.txt requirements-test.txt constraints.txt setup.py pyproj
 		chainermn_overlap/_native.c _chainermn_overlap_compat.py chainermn_overlap-compat.pth
 	@test -x $(PY) || sh tools/python.sh venv $(VENV) "$(PYTHON)"
 	$(PY) -m pip install -q -r requirements.txt -r requirements-test.txt
+	@sh tools/numpy_blas.sh $(PY)
 	$(PY) -m pip install -q --no-deps -e .
 	touch $(STAMP)
 
