@@ -178,3 +178,12 @@ def test_pkg_resources_stand_in_checks_versions():
     with pytest.raises(module.VersionConflict):
         module.require('numpy>=99')
     assert issubclass(module.VersionConflict, module.ResolutionError)
+
+
+def test_numpy_has_a_blas():
+    # On Python 3.13 pip builds NumPy below 2 from source, and without
+    # OpenBLAS's development files that build has no BLAS (the ResNet-50
+    # demo ran 20 times slower); make's tools/numpy_blas.sh rebuilds it.
+    import numpy
+    blas = numpy.show_config(mode='dicts')['Build Dependencies']['blas']
+    assert blas.get('found'), blas
