@@ -458,29 +458,28 @@ class Engine(object):
         self._wake()
         if self.inspector is not None:
             self.inspector.close()
-        # After a watchdog timeout the thread may be inside a collective
-        # that never completes: do not wait for it (exit then aborts).
-        # Else it finishes the posted work, which needs every peer: at most
-        # the watchdog's timeout, after which it is stuck too (reported
-        # here, and exit aborts the job rather than hang in MPI_Finalize).
+        # After a watchdog timeout the thread may be inside a collective that
+        # never completes (exit then aborts); else it finishes the posted
+        # work, which needs every peer: wait at most the watchdog's timeout.
         limit = 1.0 if self.stuck is not None else self.watchdog.timeout
         self._thread.join(limit)
         if self._thread.is_alive():
             if self.stuck is None:
                 self.mark_stuck()
-                warnings.warn(
-                    '{}: close() waited {:.1f} s for the communication '
-                    'thread to finish its posted collectives; left behind '
-                    '(a peer never joined them). Exit will end the job with '
-                    'MPI_Abort; call close() on every rank at the same '
-                    'point.'.format(self.stuck, limit), StallWarning,
-                    stacklevel=2)
+                warnings.warn(_CLOSE_LEFT.format(self.stuck, limit),
+                              StallWarning, stacklevel=2)
             return
         try:
             self.comm.Free()
         except Exception:  # MPI may already be finalized at exit
             pass
         _LIVE.discard(self)
+
+
+_CLOSE_LEFT = ('{}: close() waited {:.1f} s for the communication thread to '
+               'finish its posted collectives; left behind (a peer never '
+               'joined them). Exit will end the job with MPI_Abort; call '
+               'close() on every rank at the same point.')
 
 
 def _agree_on_stall_reports(mpi_comm: Any, on: bool, rank: int,
