@@ -31,16 +31,17 @@ thread.
 Engines are looked up by name in a small registry (:func:`get_backend`),
 the way communication hooks or array backends are registered elsewhere.
 """
-import atexit
 import threading
 import time
 import warnings
 import weakref
 from typing import Any, Callable, Dict, Optional
 
+from chainermn_overlap import _patches
 from chainermn_overlap import abort
 from chainermn_overlap import config
 from chainermn_overlap._host import stage_to_host
+from chainermn_overlap.communication import blocking
 from chainermn_overlap.communication import progress
 from chainermn_overlap.communication import watchdog as watchdog_module
 from chainermn_overlap.communication.handle import FailureLatch
@@ -77,10 +78,10 @@ def get_backend(name: str) -> Callable[..., Any]:
                          .format(name, ', '.join(sorted(_BACKENDS)))) from None
 
 
-@atexit.register
 def _close_all():
-    # Runs before mpi4py finalizes MPI (atexit is LIFO and mpi4py registered
-    # first), so no communication thread is inside MPI at MPI_Finalize.
+    # At exit (registered with the first engine, after mpi4py initialised
+    # MPI, so it runs before MPI is finalized; after the timelines are
+    # written): no communication thread is inside MPI at MPI_Finalize.
     stuck = []
     for engine in list(_LIVE):
         engine.close()
@@ -94,11 +95,6 @@ def _close_all():
         # hang, and the other ranks would wait for us forever.
         abort.abort_job('exits while a collective is stuck ({})'.format(
             stuck[0].stuck))
-    pending = watchdog_module.abandoned()
-    if pending:
-        # The same for a request the main thread gave up on.
-        abort.abort_job('exits while {} is pending (its wait timed out)'
-                        .format(pending[0]))
 
 
 def check_thread_multiple(engine_name: str) -> None:
@@ -175,7 +171,8 @@ class Engine(object):
         _resolve(timeout, stall_warning, debug)
         self.rank = mpi_comm.Get_rank()
         self.size = mpi_comm.Get_size()
-        self.comm = mpi_comm.Dup() if comm is None else comm
+        self.comm = (blocking.dup(mpi_comm, "the engine's communicator",
+                                  timeout) if comm is None else comm)
         # Progress counters, read by the stall inspector's thread.
         self.posted = 0
         self.completed = 0
@@ -200,6 +197,7 @@ class Engine(object):
             daemon=True)
         self._thread.start()
         _LIVE.add(self)
+        _patches.at_exit(_close_all, order=1)
 
     # -- configuration ---------------------------------------------------
 

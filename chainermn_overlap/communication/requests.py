@@ -7,7 +7,7 @@ between short sleeps (:mod:`.progress`: 10 us doubling to 250 us) that
 leave the core to other threads.  After the limit the wait raises
 :class:`~chainermn_overlap.CommunicationTimeout` naming what it waited
 for.  A request given up on stays pending, and MPICH's MPI_Finalize would
-then hang: the engines' exit handler calls MPI_Abort instead while one is
+then hang: an exit handler calls MPI_Abort instead while one is
 (:func:`abandoned`).  :meth:`.watchdog.Watchdog.wait_requests` applies an
 optimizer's limit and marks its engine stuck.
 """
@@ -15,6 +15,8 @@ import time
 import warnings
 from typing import Any, Callable, Optional, Sequence
 
+from chainermn_overlap import _patches
+from chainermn_overlap import abort
 from chainermn_overlap import config
 from chainermn_overlap.communication import progress
 from chainermn_overlap.errors import CommunicationTimeout
@@ -51,6 +53,15 @@ def abandoned() -> list:
     return out
 
 
+def _abort_if_abandoned():
+    # At exit, after the engines closed (chainermn_overlap._patches): as
+    # for a stuck communication thread, MPI_Finalize would hang.
+    pending = abandoned()
+    if pending:
+        abort.abort_job('exits while {} is pending (its wait timed out)'
+                        .format(pending[0]))
+
+
 def wait_requests(requests: Sequence[Any], label: str, rank: Any,
                   timeout: Optional[float],
                   stall_warning: Optional[float] = None,
@@ -77,6 +88,7 @@ def wait_requests(requests: Sequence[Any], label: str, rank: Any,
         waited = time.monotonic() - t0
         if timeout is not None and waited >= timeout:
             _ABANDONED.append((label, requests))
+            _patches.at_exit(_abort_if_abandoned, order=2)
             if on_timeout is not None:
                 on_timeout()
             raise CommunicationTimeout(_requests_timeout_message(

@@ -9,6 +9,17 @@ became final and when a bucket was posted.
 import json
 import os
 import time
+import weakref
+
+from chainermn_overlap import _patches
+
+# Timelines written at interpreter exit too (write_at_exit).
+_AT_EXIT = weakref.WeakSet()
+
+
+def _write_all():
+    for timeline in list(_AT_EXIT):
+        timeline.write()
 
 
 class Timeline(object):
@@ -77,6 +88,12 @@ class Timeline(object):
             json.dump({'traceEvents': self.events,
                        'displayTimeUnit': 'ms'}, f)
         return self.path
+
+    def write_at_exit(self):
+        """Writes the trace at interpreter exit too (while it is alive),
+        before the engines are closed, which may abort the job."""
+        _AT_EXIT.add(self)
+        _patches.at_exit(_write_all, order=0)
 
 
 class NullTimeline(object):

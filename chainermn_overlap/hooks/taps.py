@@ -27,11 +27,13 @@ from chainer import function_node
 from chainer import link_hook
 from chainer import variable
 
+from chainermn_overlap import _patches
+
 __all__ = [
     'GradTap', 'GradientSink', 'InertLinkHook', 'OverlapLinkHook',
     'ParamUseHook', 'contract_taps', 'ensure_param_use_hook',
-    'first_variable', 'install_graph_dump_filter', 'install_param_use_hook',
-    'uninstall_param_use_hook',
+    'first_variable', 'install_param_use_hook', 'uninstall_param_use_hook',
+    'wrap_graph_builder',
 ]
 
 
@@ -260,7 +262,10 @@ def install_param_use_hook(sink: GradientSink) -> None:
 
     Function hooks are thread-local in Chainer; this installs the hook in
     the calling thread (``ensure_param_use_hook`` re-checks cheaply from the
-    link hook, so training in another thread is covered too).
+    link hook, so training in another thread is covered too).  The hook is
+    part of :mod:`chainermn_overlap._patches`'s ``'optimizer'`` group: it is
+    installed while that group is active, and taken out of every thread's
+    hooks when the group's last user is gone.
     """
     if sink not in _PARAM_USE_HOOK.sinks:
         _PARAM_USE_HOOK.sinks.append(sink)
@@ -275,16 +280,18 @@ def uninstall_param_use_hook(sink: GradientSink) -> None:
 def ensure_param_use_hook() -> None:
     hooks = chainer.get_function_hooks()
     if ParamUseHook.name not in hooks:
-        hooks[ParamUseHook.name] = _PARAM_USE_HOOK
+        _patches.install_function_hook(hooks, ParamUseHook.name,
+                                       _PARAM_USE_HOOK)
 
 
 # ----------------------------------------------------------------------------
 # Graph dumps.  A tap is an identity on a parameter; in a dump of the
 # computational graph (chainer.computational_graph, the DumpGraph extension)
 # it would show as an extra function node with an unnamed output variable
-# per parameter and call.  The builder is wrapped, once, to contract every
-# tap: its consumers read the parameter itself again, so the dump is the one
-# a run without this library gives.
+# per parameter and call.  While an optimizer is set up the builder is
+# wrapped (chainermn_overlap._patches) to contract every tap: its consumers
+# read the parameter itself again, so the dump is the one a run without
+# this library gives.
 
 def contract_taps(graph: computational_graph.ComputationalGraph
                   ) -> computational_graph.ComputationalGraph:
@@ -314,17 +321,9 @@ def contract_taps(graph: computational_graph.ComputationalGraph
     return graph
 
 
-def _wrap_graph_builder(build):
+def wrap_graph_builder(build):
+    """``build_computational_graph`` that contracts the taps of its graph."""
     @functools.wraps(build)
     def build_computational_graph(*args, **kwargs):
         return contract_taps(build(*args, **kwargs))
-    build_computational_graph.__chainermn_overlap__ = True
     return build_computational_graph
-
-
-def install_graph_dump_filter() -> None:
-    """Makes ``chainer.computational_graph`` dumps show no taps (once)."""
-    fn = computational_graph.build_computational_graph
-    if not getattr(fn, '__chainermn_overlap__', False):
-        computational_graph.build_computational_graph = \
-            _wrap_graph_builder(fn)

@@ -21,10 +21,8 @@ wiring of four parts, each in its own module::
     LayoutManager (_layout.py): bucket layout, model checks, broadcast,
         the per-iteration control message (skip / relayout)
 """
-import atexit
 import contextlib
 import time
-import weakref
 from typing import Any, Optional, Union
 
 import numpy
@@ -33,6 +31,7 @@ import chainer
 
 from chainermn_overlap import _autosync
 from chainermn_overlap import _host
+from chainermn_overlap import _patches
 from chainermn_overlap import config
 from chainermn_overlap.communication import backends
 from chainermn_overlap.communication import timeline as timeline_module
@@ -49,6 +48,7 @@ from chainermn_overlap.optimizers._tracker import GradientTracker
 from chainermn_overlap.optimizers.sharding import options as sharding_options
 from chainermn_overlap.optimizers.sharding import params as sharding_params
 from chainermn_overlap.optimizers.sharding import policy as sharding_policy
+from chainermn_overlap.optimizers.sharding import writers
 
 
 __all__ = ['DEFAULT_BUCKET_SIZE', 'SUPPORTS_REDUCTION_GROUPS',
@@ -157,9 +157,10 @@ class _OverlapState(object):
                 self.watch_options)
             self.reducer.engine = self.engine
         self.target = target
+        # Chainer's patches stay installed while an optimizer is set up.
+        _patches.acquire('optimizer', self)
         self._hook_links()
         taps.install_param_use_hook(self.tracker)
-        taps.install_graph_dump_filter()
 
     def detach(self, synchronize=True):
         if synchronize:
@@ -168,6 +169,7 @@ class _OverlapState(object):
         taps.uninstall_param_use_hook(self.tracker)
         if self.target is not None:
             _autosync.unregister(self.target)
+        _patches.release('optimizer', self)
         self.target = None
         self.tracker.clear_layout()
         self.reducer.set_buckets([])
@@ -187,6 +189,7 @@ class _OverlapState(object):
                     self.detach(synchronize=not stuck)
             finally:
                 self.policy.close()
+                writers.unregister(self.actual)   # if it was sharded
         finally:
             self.write_timeline()
             if self.engine is not None:
@@ -352,15 +355,6 @@ class _OverlapState(object):
 # Parameters with a ``reduction_group`` (distconv's channel blocks) are
 # reduced within their group (see _OverlapState._reduce_groups).
 SUPPORTS_REDUCTION_GROUPS = True
-
-_TIMELINES = weakref.WeakSet()
-
-
-@atexit.register
-def _write_timelines():
-    for state in list(_TIMELINES):
-        state.write_timeline()
-
 
 class _OverlappedOptimizer(_wrapper.OptimizerWrapper):
     """Wraps an optimizer; see :func:`create_overlapped_optimizer`."""
@@ -596,5 +590,5 @@ def create_overlapped_optimizer(
                           shard_opts if shard is not None else None)
     state.watch_options = watch_options
     if tl is not None:
-        _TIMELINES.add(state)
+        tl.write_at_exit()
     return _OverlappedOptimizer(state)

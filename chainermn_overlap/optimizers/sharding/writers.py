@@ -16,8 +16,10 @@ must come on every rank, at the same point, with no communication:
   sets (recorded when the extension is made, as ChainerMN keeps only this
   rank's set) and whether the snapshot's target holds a sharded optimizer
   (:func:`register`).  So every rank raises the same error before any rank
-  serializes, loads or sends.  The methods are wrapped once, when the first
-  sharded optimizer is made; the wrappers cost a few attribute reads.
+  serializes, loads or sends.  The methods are wrapped while a sharded
+  optimizer exists (:mod:`chainermn_overlap._patches` installs the wrappers
+  of :func:`patches` when the first is made and removes them when the last
+  is closed); the wrappers cost a few attribute reads.
 * :func:`check_every_rank_writes`, when the states are saved: the call
   comes from within such an extension that the first check could not
   see (ChainerMN's layout changed).  Only the writing rank knows; the
@@ -32,7 +34,10 @@ import functools
 import sys
 import weakref
 
-__all__ = ['FIX', 'check_every_rank_writes', 'check_extension', 'register']
+from chainermn_overlap import _patches
+
+__all__ = ['FIX', 'check_every_rank_writes', 'check_extension', 'patches',
+           'register', 'unregister']
 
 FIX = ('Use chainermn_overlap.extensions.auto_snapshot(comm, directory, '
        'trigger=...) instead (every rank writes its own file, atomically, '
@@ -46,7 +51,7 @@ _EXTENSION_FRAMES = ('__call__', 'initialize', 'on_error')
 _SHARDED = weakref.WeakSet()
 # multi_node_snapshot extension -> its replica sets (sorted lists).
 _SETS = weakref.WeakKeyDictionary()
-_PATCHED = []
+_GROUP = 'multi_node_snapshot'
 
 
 def _multi_node_snapshot_module():
@@ -72,7 +77,13 @@ def register(actual):
         actual: the wrapped (actual) optimizer.
     """
     _SHARDED.add(actual)
-    _install()
+    _patches.acquire(_GROUP, actual)
+
+
+def unregister(actual):
+    """The sharded optimizer of ``actual`` is closed."""
+    _SHARDED.discard(actual)
+    _patches.release(_GROUP, actual)
 
 
 def _wrap_init(fn, module):
@@ -85,7 +96,6 @@ def _wrap_init(fn, module):
         fn(self, comm, snapshot, replica_sets)
         _SETS[self] = [sorted(s) for s in module._parse_replica_sets(
             replica_sets, comm.size)]
-    __init__.__chainermn_overlap__ = True
     return __init__
 
 
@@ -94,25 +104,19 @@ def _wrap_entry(fn):
     def wrapper(self, trainer):
         check_extension(self, trainer)
         return fn(self, trainer)
-    wrapper.__chainermn_overlap__ = True
     return wrapper
 
 
-def _install():
-    if _PATCHED:
-        return
+def patches():
+    """``(class, name, replacement factory)`` for ChainerMN's
+    ``multi_node_snapshot`` extension; empty where it is not found."""
     module = _multi_node_snapshot_module()
     if module is None:
-        return
+        return []
     cls = module._MultiNodeSnapshot
-    for name in ('__init__', 'initialize', '__call__'):
-        fn = cls.__dict__.get(name)
-        if fn is None or hasattr(fn, '__chainermn_overlap__'):
-            continue
-        wrapped = (_wrap_init(fn, module) if name == '__init__'
-                   else _wrap_entry(fn))
-        setattr(cls, name, wrapped)
-        _PATCHED.append((cls, name, fn))
+    return [(cls, '__init__', lambda fn: _wrap_init(fn, module)),
+            (cls, 'initialize', _wrap_entry),
+            (cls, '__call__', _wrap_entry)]
 
 
 def _one_writer(ext):
