@@ -189,6 +189,20 @@ SHARDING_ARGS ?=
 bench-sharding: bench-deps
 	$(PY) -m benchmarks sharding $(SHARDING_ARGS)
 
+# Scaling beyond two ranks (as root): 2 to 8 ranks on the time-dilated
+# bed (testbed/cpuquota.py), the SimGrid replay of a recorded iteration and
+# its projection to 1,024 nodes: benchmarks/results/scale.json and
+# scale.png.  The replay runs under the system Python with the Debian
+# package python3-simgrid, installed here.  SCALE_ARGS passes options,
+# e.g. '--full' (ResNet-50 and -18, k = 1, 2, 4) or '--validate-only'.
+SCALE_ARGS ?=
+.PHONY: bench-scale
+bench-scale: bench-deps
+	@/usr/bin/python3 -c 'import simgrid' 2>/dev/null || \
+	    { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get \
+	      install -y -qq python3-simgrid; }
+	$(PY) -m benchmarks scale $(SCALE_ARGS)
+
 # Snapshots of sharded optimizers (4 ranks, Adam MLP of 4.2 M parameters):
 # bytes on disk and memory per rank while saving, sharded files against
 # whole states in every file.

@@ -35,6 +35,7 @@ STUDIES = (
     ('gpu', 'benchmarks.gpu_bench'),
     ('gpu_offline', 'benchmarks.gpu_offline'),
     ('startup', 'benchmarks.startup'),
+    ('scale', 'benchmarks.scale_bench'),
     ('ab', 'benchmarks.harness.ab'),
 )
 
