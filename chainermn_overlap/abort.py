@@ -39,9 +39,6 @@ from chainermn_overlap import config
 __all__ = ['ABORT_CODE', 'abort_job', 'abort_on_exception_enabled',
            'disable_abort_on_exception', 'enable_abort_on_exception']
 
-# Defined in chainermn_overlap.config; kept importable from here.
-ENV_VAR = config.ABORT_ON_EXCEPTION_ENV
-
 # Exit status given to MPI_Abort, and grace period for MPI_Abort itself.
 ABORT_CODE = 1
 _ABORT_GRACE_SECONDS = 5.0

@@ -16,24 +16,14 @@ Engines are looked up by name (:func:`get_backend`)::
 import queue
 from typing import Any
 
-from chainermn_overlap._host import stage_to_host
-from chainermn_overlap.communication import engine as engine_module
 from chainermn_overlap.communication.engine import Engine
 from chainermn_overlap.communication.engine import Handle
 from chainermn_overlap.communication.engine import check_thread_multiple
 from chainermn_overlap.communication.engine import get_backend
 from chainermn_overlap.communication.engine import register_backend
-from chainermn_overlap.errors import CommunicationError
-from chainermn_overlap.errors import CommunicationTimeout
 
-__all__ = ['CommunicationBackend', 'CommunicationError',
-           'CommunicationTimeout', 'Engine', 'Handle', 'MpiThreadBackend',
-           'check_thread_multiple', 'get_backend', 'register_backend',
-           'stage_to_host']
-
-# Former names, kept importable.
-CommunicationBackend = Engine
-_BACKENDS = engine_module._BACKENDS
+__all__ = ['Engine', 'Handle', 'MpiThreadBackend', 'check_thread_multiple',
+           'get_backend', 'register_backend']
 
 
 class MpiThreadBackend(Engine):

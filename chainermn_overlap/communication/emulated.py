@@ -25,10 +25,11 @@ the link becomes free.  Use it with the optimizers by name::
     opt = chainermn_overlap.create_overlapped_optimizer(
         actual, comm, backend=name)
 
-``'emulated'`` itself uses :data:`DEFAULTS`, overridden by the environment
-variable ``CHAINERMN_OVERLAP_EMULATION`` (``"nodes=16,bandwidth=10gbit,
-latency=25us"``).  ChainerMN's blocking optimizer does not use engines;
-the benchmarks time it by the same model with their own
+``'emulated'`` itself uses
+:data:`~chainermn_overlap.config.EMULATION_DEFAULTS`, overridden by the
+environment variable ``CHAINERMN_OVERLAP_EMULATION`` (``"nodes=16,
+bandwidth=10gbit,latency=25us"``).  ChainerMN's blocking optimizer does not
+use engines; the benchmarks time it by the same model with their own
 ``benchmarks.harness.anchor.EmulatedCommunicator``.
 """
 import functools
@@ -39,14 +40,9 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 from chainermn_overlap import config
 from chainermn_overlap.communication import engine as engine_module
 
-__all__ = ['DEFAULTS', 'ENV_VAR', 'LinkModel', 'configure',
-           'emulated_backend', 'parse_settings', 'ring_allreduce_seconds',
-           'schedule', 'sleep_until']
+__all__ = ['LinkModel', 'configure', 'emulated_backend',
+           'ring_allreduce_seconds', 'schedule', 'sleep_until']
 
-# Defined in chainermn_overlap.config; kept importable from here.
-ENV_VAR = config.EMULATION_ENV
-DEFAULTS = config.EMULATION_DEFAULTS
-parse_settings = config.parse_emulation_settings
 
 
 # ----------------------------------------------------------------------------
@@ -233,8 +229,8 @@ def emulated_backend(mpi_comm: Any, *, timeout: Any = None,
             else ``'mpi_thread'``.
         link (LinkModel): the emulated link; or give
         nodes, bandwidth, latency: the link, as in :class:`LinkModel`;
-            default :data:`DEFAULTS` overridden by ``CHAINERMN_OVERLAP_
-            EMULATION``.
+            default :data:`~chainermn_overlap.config.EMULATION_DEFAULTS`
+            overridden by ``CHAINERMN_OVERLAP_EMULATION``.
         **base_options: policy options of the base engine (e.g.
             ``chunk_bytes``).
 
@@ -269,8 +265,11 @@ def emulated_backend(mpi_comm: Any, *, timeout: Any = None,
 engine_module.register_backend('emulated', emulated_backend)
 
 
+_DEFAULT_LATENCY = config.EMULATION_DEFAULTS['latency']
+
+
 def configure(nodes: int, bandwidth: Union[float, str],
-              latency: Union[float, str] = DEFAULTS['latency'],
+              latency: Union[float, str] = _DEFAULT_LATENCY,
               base: Optional[str] = None) -> str:
     """Registers an emulated backend with these settings; returns its name.
 

@@ -53,16 +53,6 @@ __all__ = ['StallInspector', 'Watchdog', 'abandoned', 'check_control',
            'check_same_collective', 'control_message', 'layout_fingerprint',
            'main_thread_location', 'wait_requests']
 
-# Kept importable from here, where they used to live.
-TIMEOUT_ENV = config.TIMEOUT_ENV
-STALL_ENV = config.STALL_WARNING_ENV
-DEBUG_ENV = config.DEBUG_ENV
-DEFAULT_TIMEOUT = config.DEFAULT_TIMEOUT
-parse_seconds = config.parse_seconds
-resolve_timeout = config.resolve_timeout
-resolve_stall_warning = config.resolve_stall_warning
-resolve_debug = config.resolve_debug
-
 _INT64_MIN = numpy.iinfo(numpy.int64).min
 
 

@@ -10,10 +10,7 @@ import numpy as np
 import pytest
 
 from chainermn_overlap import _host
-from chainermn_overlap import abort
 from chainermn_overlap import config
-from chainermn_overlap.communication import emulated
-from chainermn_overlap.communication import watchdog
 
 PACKAGE = os.path.dirname(os.path.abspath(config.__file__))
 
@@ -318,21 +315,6 @@ def test_every_environment_variable_is_defined_and_documented():
     for _, text in _library_sources():
         spelled.update(re.findall(r'CHAINERMN_OVERLAP_[A-Z_]*[A-Z]', text))
     assert spelled <= names, spelled - names
-
-
-def test_former_names_are_aliases():
-    assert watchdog.parse_seconds is config.parse_seconds
-    assert watchdog.resolve_timeout is config.resolve_timeout
-    assert watchdog.resolve_stall_warning is config.resolve_stall_warning
-    assert watchdog.resolve_debug is config.resolve_debug
-    assert watchdog.TIMEOUT_ENV == config.TIMEOUT_ENV
-    assert watchdog.STALL_ENV == config.STALL_WARNING_ENV
-    assert watchdog.DEBUG_ENV == config.DEBUG_ENV
-    assert watchdog.DEFAULT_TIMEOUT == config.DEFAULT_TIMEOUT
-    assert emulated.parse_settings is config.parse_emulation_settings
-    assert emulated.ENV_VAR == config.EMULATION_ENV
-    assert emulated.DEFAULTS is config.EMULATION_DEFAULTS
-    assert abort.ENV_VAR == config.ABORT_ON_EXCEPTION_ENV
 
 
 def test_public_names_are_listed():

@@ -8,7 +8,9 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
+from chainermn_overlap import config
 from chainermn_overlap.communication import backends
+from chainermn_overlap.communication import engine as engine_module
 from chainermn_overlap.communication import emulated as em
 
 
@@ -55,10 +57,10 @@ def test_link_model_reserve_matches_schedule():
 
 
 def test_parse_settings():
-    s = em.parse_settings('nodes=8, bandwidth=1gbit,latency=10us')
+    s = config.parse_emulation_settings('nodes=8, bandwidth=1gbit,latency=10us')
     assert s == {'nodes': 8, 'bandwidth': 1e9, 'latency': pytest.approx(1e-5)}
     with pytest.raises(ValueError, match='CHAINERMN_OVERLAP_EMULATION'):
-        em.parse_settings('speed=3')
+        config.parse_emulation_settings('speed=3')
 
 
 def test_backend_registered_and_configurable():
@@ -103,7 +105,7 @@ def test_backend_completion_follows_the_model():
 
 
 @pytest.mark.parametrize('base', sorted(
-    set(backends._BACKENDS) & {'mpi_thread', 'mpi_priority'}))
+    set(engine_module._BACKENDS) & {'mpi_thread', 'mpi_priority'}))
 @pytest.mark.timing  # completion times within 30 ms of the model
 def test_every_engine_takes_at_least_the_modelled_time(base):
     # Whatever the engine's chunking and control exchanges, the link cannot

@@ -17,6 +17,8 @@ import numpy as np
 import pytest
 from hypothesis import given, strategies as st
 
+from chainermn_overlap import _host
+from chainermn_overlap import config
 from chainermn_overlap.communication import backends
 from chainermn_overlap.communication import buckets
 from chainermn_overlap.communication import timeline
@@ -332,15 +334,15 @@ def test_check_control_accepts_any_agreement(size, fp, it):
 
 
 def test_stall_warning_default_environment_and_option(monkeypatch):
-    monkeypatch.delenv(watchdog.STALL_ENV, raising=False)
-    assert watchdog.resolve_stall_warning(None) is None
-    monkeypatch.setenv(watchdog.STALL_ENV, '30')
-    assert watchdog.resolve_stall_warning(None) == 30.0
-    assert watchdog.resolve_stall_warning(2) == 2.0
-    assert watchdog.resolve_stall_warning('off') is None
-    monkeypatch.setenv(watchdog.STALL_ENV, 'soon')
-    with pytest.raises(ValueError, match=watchdog.STALL_ENV):
-        watchdog.resolve_stall_warning(None)
+    monkeypatch.delenv(config.STALL_WARNING_ENV, raising=False)
+    assert config.resolve_stall_warning(None) is None
+    monkeypatch.setenv(config.STALL_WARNING_ENV, '30')
+    assert config.resolve_stall_warning(None) == 30.0
+    assert config.resolve_stall_warning(2) == 2.0
+    assert config.resolve_stall_warning('off') is None
+    monkeypatch.setenv(config.STALL_WARNING_ENV, 'soon')
+    with pytest.raises(ValueError, match=config.STALL_WARNING_ENV):
+        config.resolve_stall_warning(None)
 
 
 @pytest.mark.parametrize('env, expected', [
@@ -349,17 +351,17 @@ def test_stall_warning_default_environment_and_option(monkeypatch):
     (' ON ', True)])
 def test_debug_from_environment(monkeypatch, env, expected):
     if env is None:
-        monkeypatch.delenv(watchdog.DEBUG_ENV, raising=False)
+        monkeypatch.delenv(config.DEBUG_ENV, raising=False)
     else:
-        monkeypatch.setenv(watchdog.DEBUG_ENV, env)
-    assert watchdog.resolve_debug(None) is expected
+        monkeypatch.setenv(config.DEBUG_ENV, env)
+    assert config.resolve_debug(None) is expected
 
 
 def test_debug_option_wins_over_environment(monkeypatch):
-    monkeypatch.setenv(watchdog.DEBUG_ENV, '1')
-    assert watchdog.resolve_debug(False) is False
-    monkeypatch.setenv(watchdog.DEBUG_ENV, '0')
-    assert watchdog.resolve_debug(True) is True
+    monkeypatch.setenv(config.DEBUG_ENV, '1')
+    assert config.resolve_debug(False) is False
+    monkeypatch.setenv(config.DEBUG_ENV, '0')
+    assert config.resolve_debug(True) is True
 
 
 # ---------------------------------------------------------------------------
@@ -378,7 +380,7 @@ def test_busy_seconds_sums_chunk_spans():
 
 def test_numpy_arrays_are_reduced_in_place():
     a = np.arange(6, dtype=np.float32).reshape(2, 3)
-    host, finish = backends.stage_to_host(a)
+    host, finish = _host.stage_to_host(a)
     assert host is a and finish is None
 
 

@@ -3,6 +3,7 @@ control-message check and the bounded wait on MPI requests (one process)."""
 import numpy
 import pytest
 
+from chainermn_overlap import config
 from chainermn_overlap.communication import watchdog
 from chainermn_overlap.errors import CollectiveMismatchError
 
@@ -11,23 +12,23 @@ from chainermn_overlap.errors import CollectiveMismatchError
     (None, None), (0, None), (-1, None), (float('inf'), None), ('none', None),
     ('off', None), ('0', None), (3, 3.0), ('2.5', 2.5)])
 def test_parse_seconds(value, expected):
-    assert watchdog.parse_seconds(value, 'timeout') == expected
+    assert config.parse_seconds(value, 'timeout') == expected
 
 
 @pytest.mark.parametrize('value', ['soon', [1], True, float('nan')])
 def test_parse_seconds_rejects(value):
     with pytest.raises(ValueError, match='timeout'):
-        watchdog.parse_seconds(value, 'timeout')
+        config.parse_seconds(value, 'timeout')
 
 
 def test_timeout_default_and_environment(monkeypatch):
-    monkeypatch.delenv(watchdog.TIMEOUT_ENV, raising=False)
-    assert watchdog.resolve_timeout(None) == watchdog.DEFAULT_TIMEOUT
-    monkeypatch.setenv(watchdog.TIMEOUT_ENV, '0')
-    assert watchdog.resolve_timeout(None) is None
-    monkeypatch.setenv(watchdog.TIMEOUT_ENV, '12')
-    assert watchdog.resolve_timeout(None) == 12.0
-    assert watchdog.resolve_timeout(5) == 5.0   # the option wins
+    monkeypatch.delenv(config.TIMEOUT_ENV, raising=False)
+    assert config.resolve_timeout(None) == config.DEFAULT_TIMEOUT
+    monkeypatch.setenv(config.TIMEOUT_ENV, '0')
+    assert config.resolve_timeout(None) is None
+    monkeypatch.setenv(config.TIMEOUT_ENV, '12')
+    assert config.resolve_timeout(None) == 12.0
+    assert config.resolve_timeout(5) == 5.0   # the option wins
 
 
 def _reduced(messages):
