@@ -170,7 +170,16 @@ from chainermn_overlap.distconv.functions import convolution_nd  # NOQA
 from chainermn_overlap.distconv.functions import global_average_pooling  # NOQA
 from chainermn_overlap.distconv.functions import max_pooling_2d  # NOQA
 from chainermn_overlap.distconv.functions import max_pooling_nd  # NOQA
+from chainermn_overlap.distconv.deconvolution import deconvolution_2d  # NOQA
+from chainermn_overlap.distconv.deconvolution import deconvolution_nd  # NOQA
+from chainermn_overlap.distconv.deconvolution import unpooling_2d  # NOQA
+from chainermn_overlap.distconv.deconvolution import unpooling_nd  # NOQA
+from chainermn_overlap.distconv.decoder_links import Deconvolution2D  # NOQA
+from chainermn_overlap.distconv.decoder_links import DeconvolutionND  # NOQA
+from chainermn_overlap.distconv.decoder_links import (  # NOQA
+    GroupNormalization)
 from chainermn_overlap.distconv.grid import SpatialGrid  # NOQA
+from chainermn_overlap.distconv.group_norm import group_normalization  # NOQA
 from chainermn_overlap.distconv.links import BatchNormalization  # NOQA
 from chainermn_overlap.distconv.links import Convolution2D  # NOQA
 from chainermn_overlap.distconv.links import ConvolutionND  # NOQA
@@ -193,13 +202,16 @@ from chainermn_overlap.distconv import tuner  # NOQA
 from chainermn_overlap.distconv.tuner import tune  # NOQA
 
 __all__ = [
-    'BatchNormalization', 'Convolution2D', 'ConvolutionND', 'ReductionGroup',
-    'RegionExchange', 'RegionExchangeAdjoint', 'SpatialGrid', 'Tiled',
-    'average_pooling_2d', 'average_pooling_nd', 'batch_normalization',
-    'channel_block', 'check_replicated', 'convolution_2d', 'convolution_nd',
-    'gather_channels', 'geometry', 'global_average_pooling',
-    'load_serial_params', 'max_pooling_2d', 'max_pooling_nd',
-    'reduction_groups', 'region_exchange', 'sample_share',
-    'store_serial_params', 'to_replicated', 'to_sample_layout',
-    'to_spatial_layout', 'tune', 'tuner',
+    'BatchNormalization', 'Convolution2D', 'ConvolutionND',
+    'Deconvolution2D', 'DeconvolutionND', 'GroupNormalization',
+    'ReductionGroup', 'RegionExchange', 'RegionExchangeAdjoint',
+    'SpatialGrid', 'Tiled', 'average_pooling_2d', 'average_pooling_nd',
+    'batch_normalization', 'channel_block', 'check_replicated',
+    'convolution_2d', 'convolution_nd', 'deconvolution_2d',
+    'deconvolution_nd', 'gather_channels', 'geometry',
+    'global_average_pooling', 'group_normalization', 'load_serial_params',
+    'max_pooling_2d', 'max_pooling_nd', 'reduction_groups',
+    'region_exchange', 'sample_share', 'store_serial_params',
+    'to_replicated', 'to_sample_layout', 'to_spatial_layout', 'tune',
+    'tuner', 'unpooling_2d', 'unpooling_nd',
 ]

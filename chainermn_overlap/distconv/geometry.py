@@ -27,8 +27,10 @@ from typing import List, Sequence, Tuple
 __all__ = [
     'Box', 'ExchangePlan', 'Interval', 'Shape',
     'all_grid_coords', 'block_box', 'block_range', 'block_sizes',
-    'box_is_empty', 'box_shape', 'box_slices', 'clip', 'dilated_ksize',
-    'exchange_plan', 'grid_coords', 'grid_rank', 'grid_size', 'input_interval',
+    'box_is_empty', 'box_shape', 'box_slices', 'clip',
+    'deconv_input_interval', 'deconv_local_output', 'deconv_output_size',
+    'deconv_plan', 'dilated_ksize', 'exchange_plan', 'grid_coords',
+    'grid_rank', 'grid_size', 'input_interval',
     'interior_interval', 'intersect', 'interval_size', 'output_size',
     'overlap_plan', 'split_box', 'split_interior', 'window_input_box',
     'window_plan',
@@ -429,3 +431,83 @@ def split_box(box: Box, pieces: int) -> List[Box]:
         a, b = block_range(sizes[d], pieces, i)
         out.append(tuple(box[:d]) + ((lo + a, lo + b),) + tuple(box[d + 1:]))
     return out
+
+
+def deconv_output_size(n: int, ksize: int, stride: int, pad: int,
+                       dilate: int = 1, cover_all: bool = False) -> int:
+    """Output extent of a transposed convolution (or unpooling) without
+    ``outsize``, as ``chainer.utils.conv.get_deconv_outsize``."""
+    dk = dilated_ksize(ksize, dilate)
+    if cover_all:
+        return stride * (n - 1) + dk - stride + 1 - 2 * pad
+    return stride * (n - 1) + dk - 2 * pad
+
+
+def deconv_input_interval(out_iv: Interval, n_in: int, ksize: int,
+                          stride: int, pad: int, dilate: int = 1) -> Interval:
+    """Input cells of a transposed convolution that reach ``out_iv``.
+
+    Input ``i`` adds to the outputs ``i * stride - pad + j * dilate`` for
+    ``j < ksize`` (the adjoint of :func:`input_interval`). The result is the
+    tight interval of the input cells (clipped to ``[0, n_in)``) that add to
+    at least one output of ``out_iv``; those outside it add nothing there.
+
+    Returns:
+        tuple: ``(lo, hi)``, empty (``lo == hi``) if no input cell reaches
+        ``out_iv`` (an empty block, or outputs that only ``outsize`` adds).
+    """
+    lo, hi = out_iv
+    if hi <= lo:
+        return 0, 0
+    reach = dilate * (ksize - 1)
+    first = max(0, -((reach - lo - pad) // stride))  # ceil division
+    last = min(n_in, (hi - 1 + pad) // stride + 1)
+    return (first, last) if last > first else (0, 0)
+
+
+def deconv_local_output(in_iv: Interval, ksize: int, stride: int, pad: int,
+                        dilate: int = 1) -> Interval:
+    """Global outputs computed by an unpadded transposed convolution of the
+    input cells ``in_iv`` (non-empty): where its local output lies."""
+    start = in_iv[0] * stride - pad
+    return start, (in_iv[1] - 1) * stride - pad + dilated_ksize(ksize,
+                                                                dilate)
+
+
+@functools.lru_cache(maxsize=1024)
+def deconv_plan(in_shape: Shape, out_shape: Shape, grid_shape: Shape,
+                ksize: Shape, stride: Shape, pad: Shape, dilate: Shape,
+                spatial_rank: int) -> Tuple[ExchangePlan, Box, Box, bool]:
+    """Plans the exchange of a transposed convolution for one process.
+
+    Each process owns the balanced block of the *output* and needs the
+    input cells that add to it (:func:`deconv_input_interval`), which may
+    be owned by any process.
+
+    Returns:
+        tuple: ``(plan, out_box, in_box, any_halo)``: the
+        :class:`ExchangePlan` (``plan.ext`` is ``in_box``), this process's
+        output box, the input box it reads (empty if no input cell reaches
+        its block) and ``any_halo``, True if some process of the grid
+        needs cells it does not own (the same on every process).
+    """
+    nprocs = grid_size(grid_shape)
+    needed, out_boxes = [], []
+    for r in range(nprocs):
+        ob = block_box(out_shape, grid_shape, grid_coords(grid_shape, r))
+        ib = tuple(deconv_input_interval(o, n, k, s, p, d)
+                   for o, n, k, s, p, d
+                   in zip(ob, in_shape, ksize, stride, pad, dilate))
+        if box_is_empty(ib):
+            ib = tuple((0, 0) for _ in ib)
+        out_boxes.append(ob)
+        needed.append(ib)
+    plan = exchange_plan(in_shape, grid_shape, needed, spatial_rank)
+    any_halo = False
+    for r in range(nprocs):
+        own = block_box(in_shape, grid_shape, grid_coords(grid_shape, r))
+        if not box_is_empty(needed[r]) and (
+                intersect(needed[r], own) != needed[r]):
+            any_halo = True
+            break
+    return plan, out_boxes[spatial_rank], needed[spatial_rank], any_halo
