@@ -22,7 +22,7 @@ from chainermn_overlap.communication import progress
 from chainermn_overlap.errors import CommunicationTimeout
 from chainermn_overlap.errors import StallWarning
 
-__all__ = ['abandoned', 'wait_requests']
+__all__ = ['abandoned', 'wait_requests', 'wait_until']
 
 
 def _fmt_s(seconds):
@@ -67,27 +67,44 @@ def wait_requests(requests: Sequence[Any], label: str, rank: Any,
                   stall_warning: Optional[float] = None,
                   detail: Optional[Callable[[], str]] = None,
                   hint: str = '',
-                  on_timeout: Optional[Callable[[], None]] = None) -> None:
+                  on_timeout: Optional[Callable[[], None]] = None,
+                  max_sleep: Optional[float] = None) -> None:
     """Polls ``requests`` between short sleeps until all completed.
 
     Raises :class:`CommunicationTimeout` after ``timeout`` seconds (None or
     0: no limit), naming ``label`` and the rank; warns with
     :class:`StallWarning` every ``stall_warning`` seconds meanwhile.  The
-    sleeps (:mod:`.progress`: 10 us doubling to 250 us) leave the core to
-    other threads; each test drives MPI's progress.
+    sleeps (:mod:`.progress`: 10 us doubling to ``max_sleep``, 250 us by
+    default; 0: none) leave the core to other threads; each test drives
+    MPI's progress.
     """
     from mpi4py import MPI
     requests = list(requests)
     if not requests:
         return
+    wait_until(lambda: MPI.Request.Testall(requests), label, rank, timeout,
+               stall_warning, detail, hint, on_timeout, requests, max_sleep)
+
+
+def wait_until(test: Callable[[], bool], label: str, rank: Any,
+               timeout: Optional[float],
+               stall_warning: Optional[float] = None,
+               detail: Optional[Callable[[], str]] = None,
+               hint: str = '',
+               on_timeout: Optional[Callable[[], None]] = None,
+               pending: Sequence[Any] = (),
+               max_sleep: Optional[float] = None) -> None:
+    """:func:`wait_requests` for any ``test()`` of MPI requests
+    (``pending``: those given up on at a timeout)."""
     timeout = timeout or None
+    max_sleep = progress.MAX_SLEEP if max_sleep is None else max_sleep
     t0 = time.monotonic()
     next_warning = stall_warning
-    delay = progress.MIN_SLEEP
-    while not MPI.Request.Testall(requests):
+    delay = min(progress.MIN_SLEEP, max_sleep)
+    while not test():
         waited = time.monotonic() - t0
         if timeout is not None and waited >= timeout:
-            _ABANDONED.append((label, requests))
+            _ABANDONED.append((label, list(pending)))
             _patches.at_exit(_abort_if_abandoned, order=2)
             if on_timeout is not None:
                 on_timeout()
@@ -99,8 +116,9 @@ def wait_requests(requests: Sequence[Any], label: str, rank: Any,
                 ' ' + detail() if detail else ''), StallWarning,
                 stacklevel=3)
             next_warning += stall_warning
-        time.sleep(delay)
-        delay = min(2 * delay, progress.MAX_SLEEP)
+        if delay:
+            time.sleep(delay)
+            delay = min(2 * delay, max_sleep)
 
 
 def _requests_timeout_message(rank, label, waited, detail, hint):
