@@ -187,70 +187,90 @@ def replay_measured(trace_path, measured, log):
     return out
 
 
-def projection(trace_path, trace, log, quick):
+def projection(trace_path, trace, log, quick, algorithms=('halving',)):
+    """Phase 5: both compute calibrations, for each long-message
+    algorithm (``'halving'``: MPICH's, which the engine's MPI_Allreduce
+    runs; ``'ring'``: 2 (N-1) latency terms per chunk, as a ring
+    library's)."""
     nodes = proj.NODES if not quick else (16, 256, 1024)
     c_a, cal = proj.calibrate_reference(trace_path, EFFICIENCY)
-    log('  (a) reference calibration: compute x{:.4f} ({:.3f} s per '
-        'iteration)'.format(c_a, cal['compute_s'] * c_a))
-    step = trace['engine']['step_overhead_s']
-    a = proj.project(trace_path, c_a, EFFICIENCY, step, nodes=nodes, log=log)
     alone = trace.get('alone_iteration_s') or cal['compute_s']
     c_b = proj.GPU_CLASS['iteration_s'] / alone
-    log('  (b) GPU-class: compute x{:.4f} ({:.3f} s, {})'.format(
-        c_b, proj.GPU_CLASS['iteration_s'], proj.GPU_CLASS['source']))
-    b = proj.project(trace_path, c_b, EFFICIENCY, step, nodes=nodes, log=log)
-    return {'reference_calibration': {'compute_scale': c_a, 'rows': a},
-            'gpu_class': dict(proj.GPU_CLASS, compute_scale=c_b, rows=b),
-            'reference': proj.REFERENCE, 'horovod': proj.HOROVOD,
-            'latency_s': proj.REFERENCE['latency_s'],
-            'efficiency': EFFICIENCY, 'algorithm': 'halving (MPICH)',
-            'step_overhead_rule': 'the trace\'s measured engine step, '
-                                  'scaled with the compute'}
+    step = trace['engine']['step_overhead_s']
+    out = {'reference': proj.REFERENCE, 'horovod': proj.HOROVOD,
+           'latency_s': proj.REFERENCE['latency_s'],
+           'efficiency': EFFICIENCY,
+           'step_overhead_rule': 'the trace\'s measured engine step, '
+                                 'scaled with the compute',
+           'reference_calibration': {'compute_scale': c_a,
+                                     'compute_s': cal['compute_s'] * c_a},
+           'gpu_class': dict(proj.GPU_CLASS, compute_scale=c_b)}
+    for algorithm in algorithms:
+        suffix = '' if algorithm == 'halving' else '_' + algorithm
+        log('  (a) reference calibration, {}: compute x{:.4f} ({:.3f} s per '
+            'iteration)'.format(algorithm, c_a, cal['compute_s'] * c_a))
+        out['reference_calibration']['rows' + suffix] = proj.project(
+            trace_path, c_a, EFFICIENCY, step, nodes=nodes, log=log,
+            algorithm=algorithm)
+        log('  (b) GPU-class, {}: compute x{:.4f} ({:.3f} s, {})'.format(
+            algorithm, c_b, proj.GPU_CLASS['iteration_s'],
+            proj.GPU_CLASS['source']))
+        out['gpu_class']['rows' + suffix] = proj.project(
+            trace_path, c_b, EFFICIENCY, step, nodes=nodes, log=log,
+            algorithm=algorithm)
+    return out
 
 
 def plot(result, path):
+    """Two panels (reference calibration, GPU-class): per link rate, ours
+    as recorded (solid), ours without the thread's CPU time (dashed),
+    blocking (dotted), the bound (thin); measured bed points and the
+    references marked."""
     try:
         import matplotlib
         matplotlib.use('Agg')
         import matplotlib.pyplot as plt
     except ImportError:
         return 'matplotlib is not installed: no plot'
-    fig, ax = plt.subplots(figsize=(7.5, 4.8))
-    styles = {10e9: ':', 25e9: '--', 100e9: '-'}
-    p = result.get('projection') or {}
-    for key, color in (('reference_calibration', 'C0'), ('gpu_class', 'C3')):
-        for rate, ls in styles.items():
-            rows = [r for r in p.get(key, {}).get('rows', [])
+    p = result['projection']
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.8), sharey=True)
+    colors = {10e9: 'C0', 25e9: 'C1', 100e9: 'C2'}
+    for ax, key, title in ((axes[0], 'reference_calibration',
+                            '(a) compute of the reference setting'),
+                           (axes[1], 'gpu_class', '(b) GPU-class compute')):
+        for rate, color in colors.items():
+            rows = [r for r in p[key].get('rows', [])
                     if r['rate_bit_per_s'] == rate]
-            if rows:
-                ax.plot([r['nodes'] for r in rows], [r['ours'] for r in rows],
-                        ls=ls, color=color, marker='.',
-                        label='ours, {} ({:.0f} Gb/s)'.format(
-                            'ref. calib.' if key[0] == 'r' else 'GPU-class',
-                            rate / 1e9))
-                if rate == 10e9:
-                    ax.plot([r['nodes'] for r in rows],
-                            [r['blocking'] for r in rows], ls=ls,
-                            color='grey', label='blocking, {} (10 Gb/s)'
-                            .format('ref.' if key[0] == 'r' else 'GPU'))
-    for model in result.get('measured', {}):
-        rows = result['measured'][model]
-        ax.errorbar([r['ranks'] for r in rows],
-                    [r['modes']['overlap_forward']['scalability']
-                     for r in rows], fmt='o', color='k', capsize=3,
-                    label='measured ours, {} (bed)'.format(model))
-    ax.plot([16], [proj.REFERENCE['layerwise']], 'r*', ms=12,
-            label='reference layer-wise 92.4 % (16)')
-    ax.plot([16], [proj.REFERENCE['blocking']], 'rx', ms=9,
-            label='reference blocking 66.72 % (16)')
-    ax.plot([512], [proj.HOROVOD['scalability']], 'g^', ms=9,
-            label='Horovod 90 % (512, ResNet-101)')
-    ax.set_xscale('log', base=2)
-    ax.set_ylim(0, 1.05)
-    ax.set_xlabel('nodes')
-    ax.set_ylabel('scalability')
-    ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=6, ncol=2)
+            if not rows:
+                continue
+            xs = [r['nodes'] for r in rows]
+            for field, ls, what in (('ours', '-', 'ours'),
+                                    ('ours_no_interference', '--',
+                                     'ours, no thread CPU'),
+                                    ('blocking', ':', 'blocking'),
+                                    ('bound', '-', 'bound')):
+                ax.plot(xs, [r[field] for r in rows], ls=ls, color=color,
+                        marker='.' if field != 'bound' else None,
+                        lw=0.6 if field == 'bound' else 1.4,
+                        label='{} {:.0f} Gb/s'.format(what, rate / 1e9))
+        ax.plot([16], [proj.REFERENCE['layerwise']], 'r*', ms=12,
+                label='reference layer-wise 0.924 (16)')
+        ax.plot([16], [proj.REFERENCE['blocking']], 'rx', ms=9,
+                label='reference blocking 0.6672 (16)')
+        ax.plot([512], [proj.HOROVOD['scalability']], 'g^', ms=9,
+                label='Horovod 0.90 (512, ResNet-101, 25 Gb/s)')
+        ax.set_title(title, fontsize=9)
+        ax.set_xscale('log', base=2)
+        ax.set_xlabel('nodes')
+        ax.grid(True, alpha=0.3)
+    for model, rows in (result.get('measured') or {}).items():
+        axes[0].errorbar([r['ranks'] for r in rows],
+                         [r['modes']['overlap_forward']['scalability']
+                          for r in rows], fmt='ko', capsize=3,
+                         label='measured ours, {} (bed)'.format(model))
+    axes[0].set_ylabel('scalability')
+    axes[0].set_ylim(0, 1.05)
+    axes[1].legend(fontsize=6, ncol=2, loc='lower left')
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -270,8 +290,14 @@ def main(argv=None):
     p.add_argument('--project-only', action='store_true',
                    help='only the projection, from --trace (no root)')
     p.add_argument('--trace', default=None)
+    p.add_argument('--algorithms', default=None,
+                   help='long-message allreduce(s) of the projection: '
+                        'halving (MPICH\'s), ring; comma-separated (default '
+                        'halving; --full: halving,ring)')
     p.add_argument('--out', default=os.path.join(RESULTS, 'scale.json'))
     args = p.parse_args(argv)
+    if args.algorithms is None:
+        args.algorithms = 'halving,ring' if args.full else 'halving'
     s = settings(args)
     t_start = time.time()
 
@@ -294,7 +320,9 @@ def main(argv=None):
             raise SystemExit('--project-only needs --trace FILE')
         with open(args.trace) as f:
             tr = json.load(f)
-        result['projection'] = projection(args.trace, tr, log, not args.full)
+        result['projection'] = projection(args.trace, tr, log, not args.full,
+                                          args.algorithms.split(','))
+        result['projection']['trace'] = args.trace
         return finish(result, args, log)
     netbed.require_root()
     if not cpuquota.cpu_controller_available():
@@ -329,7 +357,8 @@ def main(argv=None):
         result.setdefault('traces', {})[model] = os.path.relpath(tpath, ROOT)
         result['replay_vs_bed'][model] = replay_measured(tpath, rows, log)
         if model == s['models'][0]:
-            result['projection'] = projection(tpath, tr, log, not args.full)
+            result['projection'] = projection(tpath, tr, log, not args.full,
+                                              args.algorithms.split(','))
             result['projection']['model'] = model
     return finish(result, args, log)
 
