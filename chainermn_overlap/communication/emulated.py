@@ -38,6 +38,7 @@ import time
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 from chainermn_overlap import config
+from chainermn_overlap.communication import blocking
 from chainermn_overlap.communication import engine as engine_module
 
 __all__ = ['LinkModel', 'configure', 'emulated_backend',
@@ -249,7 +250,8 @@ def emulated_backend(mpi_comm: Any, *, timeout: Any = None,
         raise ValueError('the base of an emulated backend must be a real '
                          'engine such as mpi_thread, not {!r}'.format(base))
     factory = engine_module.get_backend(base)
-    comm = _ModelledComm(mpi_comm.Dup(), link)
+    comm = _ModelledComm(blocking.dup(
+        mpi_comm, "the emulated engine's communicator", timeout), link)
     try:
         engine = factory(mpi_comm, timeout=timeout,
                          stall_warning=stall_warning, debug=debug, comm=comm,

@@ -38,6 +38,9 @@ from typing import Any, Callable, Optional
 
 import numpy
 
+from chainermn_overlap import _mpi_json
+from chainermn_overlap.communication import blocking
+
 __all__ = ['CpuStreams', 'CudaStreams', 'StreamError', 'default_streams',
            'nccl_available']
 
@@ -207,7 +210,8 @@ class CpuStreams(object):
         return event.error
 
     def collective(self, mpi_comm: Any) -> 'CpuCollective':
-        return CpuCollective(mpi_comm.Dup())
+        return CpuCollective(blocking.dup(
+            mpi_comm, "the CPU streams' communicator"))
 
     def close(self) -> None:
         for stream in self._streams:
@@ -372,14 +376,18 @@ class NcclCollective(object):
         nccl = streams.nccl
         rank, size = mpi_comm.Get_rank(), mpi_comm.Get_size()
         uid = nccl.get_unique_id() if rank == 0 else None
-        uid = mpi_comm.bcast(uid, root=0)
+        # JSON, never pickle, from peers.
+        uid = tuple(_mpi_json.bcast_json(
+            mpi_comm, None if uid is None else list(uid),
+            what='the NCCL unique id'))
         error = None
         try:
             with streams.cupy.cuda.Device(streams.device):
                 self.comm = nccl.NcclCommunicator(size, uid, rank)
         except Exception as e:  # reported on every rank below
             error = '{}: {}'.format(type(e).__name__, e)
-        errors = mpi_comm.allgather(error)
+        errors = _mpi_json.allgather_json(
+            mpi_comm, error, what='the NCCL set-up errors')
         if any(errors):
             raise RuntimeError(
                 'rank {}: could not create the NCCL communicator of the '

@@ -14,14 +14,48 @@ from mpi4py import MPI
 
 from chainermn_overlap._host import is_host as _is_host
 from chainermn_overlap._host import to_host
+from chainermn_overlap.communication import blocking
 from chainermn_overlap.distconv import _pack
 
-# One tag for every distconv message. Several exchanges can be in flight at
-# once (overlapped layers in different branches during backward), but every
-# process of a group posts them in the same order (the same graph is run
-# everywhere) and MPI keeps messages between a pair in order, so a single
-# tag cannot mismatch on the grid's private communicators.
-_TAG = 7301
+# Each message's tag is made of the number of exchanges posted on its
+# communicator before (kept on the communicator) and the message's size.
+# Several exchanges can be in flight at once (overlapped layers in
+# different branches during backward), and every process of a group posts
+# them in the same order when it runs the same graph.  When the graphs
+# differ between processes (a layer on some only, or in another order),
+# the tags differ, the messages do not match, and the processes waiting
+# for them raise CommunicationTimeout naming the exchange instead of
+# taking another layer's halo (or a message of another size: MPI would
+# truncate a longer one and fill a shorter one in part, silently).  Two
+# exchanges at the same place of two graphs with messages of the same
+# sizes cannot be told apart.
+_TAG_BASE = 8192
+_TAG_SPAN = 1 << 14   # tags stay below 32767, the least MPI allows
+_SEQUENCE = MPI.Comm.Create_keyval()
+
+MISMATCH_HINT = (
+    'If every process of the group is alive, they ran different graphs '
+    '(a distconv layer called on some processes only, or in another '
+    'order): each exchange has its own tag, so such messages never match. '
+    'Run the same model on the same inputs\' shapes on every process.')
+
+
+def next_exchange(mpi_comm):
+    """``(number, tag)`` of the next exchange posted on ``mpi_comm``."""
+    count = mpi_comm.Get_attr(_SEQUENCE)
+    if count is None:
+        count = [0]
+        mpi_comm.Set_attr(_SEQUENCE, count)
+    n = count[0]
+    count[0] = n + 1
+    return n, message_tag(n, 0)
+
+
+def message_tag(number, nbytes):
+    """The tag of a message of ``nbytes`` in exchange ``number``."""
+    # 7919 is odd: the numbers of 2**14 consecutive exchanges give distinct
+    # tags for one size.
+    return _TAG_BASE + (number * 7919 + nbytes) % _TAG_SPAN
 
 
 def like(host, template):
@@ -40,10 +74,14 @@ class PendingExchange(object):
         host_recv (list): Its piece per receive (:func:`._pack.pieces`).
         host_send (list): Host send buffers, kept alive until completion.
         template: An array giving the device of the received arrays.
+        about (tuple): ``(number, peers)`` of the exchange.
     """
 
-    def __init__(self, requests, host_flat, host_recv, host_send, template):
+    def __init__(self, requests, host_flat, host_recv, host_send, template,
+                 about=None):
         self.requests = requests
+        # (number, peers received from), for messages.
+        self.about = about
         self.host_flat = host_flat
         self.host_recv = host_recv
         self.host_send = host_send
@@ -74,6 +112,19 @@ class PendingExchange(object):
         """True if a previous :meth:`test` saw every message complete."""
         return not self.requests
 
+    @property
+    def label(self):
+        """What the exchange is, for messages."""
+        number, peers = self.about or (None, [])
+        return ('distconv exchange number {} receiving from rank(s) {} of '
+                'its group'.format(number, peers))
+
+    def _wait(self, requests):
+        # Bounded; the label is made only when the messages are not there.
+        if not MPI.Request.Testall(requests):
+            blocking.wait(requests, self.label, poll=True,
+                          hint=MISMATCH_HINT)
+
     def arrivals(self):
         """Yields each received array as soon as its message has arrived.
 
@@ -90,14 +141,14 @@ class PendingExchange(object):
             recv = self.requests[:self.n_recv]
             done = set()
             while len(done) < self.n_recv:
-                i = MPI.Request.Waitany(recv)
+                i = blocking.wait_any(recv, lambda: self.label)
                 if i == MPI.UNDEFINED:
                     # Completed in an earlier test(): they are null now.
                     break
                 done.add(i)
                 yield i, like(self.host_recv[i], self.template)
             rest = [i for i in range(self.n_recv) if i not in done]
-            MPI.Request.Waitall(self.requests[self.n_recv:])
+            self._wait(self.requests[self.n_recv:])
         else:
             rest = range(self.n_recv)
         self.requests = []
@@ -114,7 +165,7 @@ class PendingExchange(object):
             the template (one copy from the host).
         """
         if self.requests:
-            MPI.Request.Waitall(self.requests)
+            self._wait(self.requests)
         self.requests = []
         self.host_send = []
         return like(self.host_flat, self.template)
@@ -151,18 +202,20 @@ def post_exchange(mpi_comm, sends, recvs, template):
     host_flat, host_recv = _pack.alloc(numpy, [shape for _, shape in recvs],
                                        template.dtype)
     requests = []
+    number, _ = next_exchange(mpi_comm)
     # Receives are posted first so that large messages can land directly in
     # their buffers instead of the unexpected-message queue.
     for (peer, _), buf in zip(recvs, host_recv):
         requests.append(mpi_comm.Irecv([buf, MPI.BYTE], source=peer,
-                                       tag=_TAG))
+                                       tag=message_tag(number, buf.nbytes)))
     host_send = []
     for peer, arr in sends:
         buf = to_host(arr)
         host_send.append(buf)  # keep alive until Waitall
-        requests.append(mpi_comm.Isend([buf, MPI.BYTE], dest=peer, tag=_TAG))
+        requests.append(mpi_comm.Isend([buf, MPI.BYTE], dest=peer,
+                                       tag=message_tag(number, buf.nbytes)))
     return PendingExchange(requests, host_flat, host_recv, host_send,
-                           template)
+                           template, (number, [p for p, _ in recvs]))
 
 
 def exchange(mpi_comm, sends, recvs, template):
@@ -198,6 +251,7 @@ def allreduce_sum(mpi_comm, arr, out_dtype=None):
     else:
         send, mpi_type = host.astype(numpy.int64), MPI.INT64_T
     out = numpy.empty_like(send)
-    mpi_comm.Allreduce([send, mpi_type], [out, mpi_type], op=MPI.SUM)
+    blocking.allreduce(mpi_comm, [send, mpi_type], [out, mpi_type], MPI.SUM,
+                       'a distconv sum', poll=True)
     dtype = arr.dtype if out_dtype is None else out_dtype
     return like(out.astype(dtype, copy=False), arr)

@@ -52,6 +52,7 @@ from chainer.utils import conv_nd as conv_nd_utils
 import numpy
 from mpi4py import MPI
 
+from chainermn_overlap.communication import blocking
 from chainermn_overlap.distconv import _comm
 from chainermn_overlap.distconv import _pack
 from chainermn_overlap.distconv import geometry
@@ -61,9 +62,10 @@ if TYPE_CHECKING:
 
 __all__ = ['GatherConvolution', 'ScatterConvolution']
 
-# Tag of these nodes' messages on the grid's private channel communicator
-# (distinct from the halo exchange's, so the two can never match).
-_TAG = 7302
+# Each node's messages have a tag of their own on the grid's private
+# channel communicator (_comm.next_exchange): a graph that differs between
+# coordinates makes every one of them raise CommunicationTimeout naming the
+# exchange, never take another node's message.
 
 
 class _Window(object):
@@ -150,19 +152,24 @@ class _Messages(object):
         self.recv_buf = {}
         self.send_req = []
         self.send_buf = []
+        self.number, self.tag = _comm.next_exchange(self.comm)
+
+    def label(self):
+        return ('the distconv channel exchange number {} (tag {}) of the '
+                'channel group'.format(self.number, self.tag))
 
     def expect(self, peer, shape):
         buf = numpy.empty(shape, dtype=self.dtype)
         self.recv_buf[peer] = buf
         self.recv_req[peer] = self.comm.Irecv([buf, MPI.BYTE], source=peer,
-                                              tag=_TAG)
+                                              tag=self.tag)
 
     def send(self, peer, arr):
         buf = _pack.message(backend.get_array_module(arr), arr,
                             dtype=self.dtype)
         self.send_buf.append(buf)  # alive until close()
         self.send_req.append(self.comm.Isend([buf, MPI.BYTE], dest=peer,
-                                             tag=_TAG))
+                                             tag=self.tag))
 
     def progress(self):
         reqs = list(self.recv_req.values()) + self.send_req
@@ -170,12 +177,14 @@ class _Messages(object):
             MPI.Request.Testall(reqs)
 
     def received(self, peer):
-        self.recv_req.pop(peer).Wait()
+        blocking.wait([self.recv_req.pop(peer)], self.label(), poll=True,
+                      hint=_comm.MISMATCH_HINT)
         return _comm.like(self.recv_buf.pop(peer), self.template)
 
     def close(self):
         if self.send_req:
-            MPI.Request.Waitall(self.send_req)
+            blocking.wait(self.send_req, self.label(), poll=True,
+                          hint=_comm.MISMATCH_HINT)
         self.send_req, self.send_buf = [], []
 
 

@@ -43,6 +43,7 @@ from chainer import function_node
 import numpy
 from mpi4py import MPI
 
+from chainermn_overlap.communication import blocking
 from chainermn_overlap.distconv import _comm
 
 if TYPE_CHECKING:
@@ -76,7 +77,8 @@ def allreduce_array(mpi_comm, arr):
     else:
         send = host
     out = numpy.empty_like(send)
-    mpi_comm.Allreduce([send, mpi_type], [out, mpi_type], op=MPI.SUM)
+    blocking.allreduce(mpi_comm, [send, mpi_type], [out, mpi_type], MPI.SUM,
+                       'a distconv channel sum', poll=True)
     return _comm.like(out.astype(arr.dtype, copy=False), arr)
 
 
@@ -146,12 +148,14 @@ def _allgather_blocks(grid, x, total):
     if len(set(counts)) == 1:
         # Even blocks: the plain allgather (MPICH's is faster than the
         # vector one for the same bytes).
-        grid.mpi_channel.Allgather([send, mpi_type], [recv, mpi_type])
+        blocking.wait([grid.mpi_channel.Iallgather(
+            [send, mpi_type], [recv, mpi_type])],
+            'a distconv channel gather', poll=True)
     else:
-        grid.mpi_channel.Allgatherv(
-            [send, mpi_type],
+        blocking.allgatherv(
+            grid.mpi_channel, [send, mpi_type],
             [recv, [c * unit for c in counts], [d * unit for d in displs],
-             mpi_type])
+             mpi_type], 'a distconv channel gather', poll=True)
     if n == 1:
         y = flat.reshape((1, total) + rest)
     else:
@@ -187,11 +191,13 @@ def _reduce_scatter_blocks(grid, g, total):
     lo, hi = grid.channel_range(total)
     out = numpy.empty((n, hi - lo) + rest, dtype=host.dtype)
     if len(set(counts)) == 1:
-        grid.mpi_channel.Reduce_scatter_block([send, mpi_type],
-                                              [out, mpi_type], op=MPI.SUM)
+        blocking.reduce_scatter_block(
+            grid.mpi_channel, [send, mpi_type], [out, mpi_type], MPI.SUM,
+            'a distconv channel reduce-scatter', poll=True)
     else:
-        grid.mpi_channel.Reduce_scatter([send, mpi_type], [out, mpi_type],
-                                        recvcounts=counts, op=MPI.SUM)
+        blocking.reduce_scatter(
+            grid.mpi_channel, [send, mpi_type], [out, mpi_type], counts,
+            MPI.SUM, 'a distconv channel reduce-scatter', poll=True)
     return _comm.like(out.astype(g.dtype, copy=False), g)
 
 

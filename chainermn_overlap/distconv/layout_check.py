@@ -20,6 +20,7 @@ import numpy
 from mpi4py import MPI
 
 from chainermn_overlap import _mpi_json
+from chainermn_overlap.communication import blocking
 from chainermn_overlap.distconv import layout as layout_mod
 
 if TYPE_CHECKING:
@@ -129,8 +130,9 @@ class LayoutCheck(object):
             else:
                 vote[1], vote[2] = hit[1], -hit[1]
             agreed = numpy.empty_like(vote)
-            self.mpi_comm.Allreduce([vote, MPI.INT64_T],
-                                    [agreed, MPI.INT64_T], op=MPI.MAX)
+            blocking.allreduce(self.mpi_comm, [vote, MPI.INT64_T],
+                               [agreed, MPI.INT64_T], MPI.MAX,
+                               'the vote of a distconv layout check')
             if agreed[0] == 0 and agreed[1] == -agreed[2]:
                 self.stats['validate_cached'] += 1
                 return hit[0]

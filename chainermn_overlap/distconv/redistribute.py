@@ -32,6 +32,7 @@ import numpy
 from mpi4py import MPI
 
 from chainermn_overlap import _mpi_json
+from chainermn_overlap.communication import blocking
 from chainermn_overlap.distconv import _comm
 from chainermn_overlap.distconv import _pack
 from chainermn_overlap.distconv import geometry
@@ -257,7 +258,8 @@ class BlockOfSummedCopies(function_node.FunctionNode):
         g, = inputs
         host = _comm.to_host(g)
         summed = numpy.empty_like(host)
-        self.grid.mpi_spatial.Allreduce(host, summed, op=MPI.SUM)
+        blocking.allreduce(self.grid.mpi_spatial, host, summed, MPI.SUM,
+                           'a distconv sum over samples', poll=True)
         region = _box_region(self.grid, summed, self.grid.spatial_rank)
         return _comm.like(_pack.message(numpy, summed, region), g),
 

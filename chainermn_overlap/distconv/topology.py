@@ -18,6 +18,7 @@ from typing import Any, Sequence, Tuple
 
 import numpy
 
+from chainermn_overlap.communication import blocking
 from chainermn_overlap.distconv import geometry
 
 __all__ = ['GridCommunicators', 'GridTopology']
@@ -150,10 +151,14 @@ class GridCommunicators(object):
 
     def __init__(self, mpi_comm: Any, topology: GridTopology) -> None:
         t = topology
-        self.world = mpi_comm.Dup()
-        self.spatial = mpi_comm.Split(t.group * t.channels + t.channel_rank,
-                                      t.spatial_rank)
-        self.channel = mpi_comm.Split(
-            t.group * t.spatial_size + t.spatial_rank, t.channel_rank)
-        self.data = mpi_comm.Split(
-            t.channel_rank, t.group * t.spatial_size + t.spatial_rank)
+        what = "the distconv grid's {} communicator".format
+        self.world = blocking.dup(mpi_comm, what('world'))
+        self.spatial = blocking.split(
+            mpi_comm, t.group * t.channels + t.channel_rank, t.spatial_rank,
+            what('spatial'))
+        self.channel = blocking.split(
+            mpi_comm, t.group * t.spatial_size + t.spatial_rank,
+            t.channel_rank, what('channel'))
+        self.data = blocking.split(
+            mpi_comm, t.channel_rank,
+            t.group * t.spatial_size + t.spatial_rank, what('data'))

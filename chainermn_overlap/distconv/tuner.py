@@ -42,6 +42,7 @@ import chainer.functions as F
 import numpy
 
 from chainermn_overlap import _mpi_json
+from chainermn_overlap.communication import blocking
 from chainermn_overlap.distconv import geometry
 from chainermn_overlap.distconv.grid import SpatialGrid
 
@@ -303,7 +304,7 @@ def _time_candidate(comm, mpi_comm, build_model, cand, shape, input_shape,
         for i in range(warmup + iterations):
             # Start together, so that a step's time is its own, not the
             # wait for a process still finishing the previous candidate.
-            mpi_comm.Barrier()
+            blocking.barrier(mpi_comm, 'the start of a tuner step')
             t0 = timer()
             loss = loss_fn(model, x)
             if hasattr(model, 'cleargrads'):

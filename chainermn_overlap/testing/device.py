@@ -17,6 +17,8 @@ import numpy
 
 import chainer
 
+from chainermn_overlap import _mpi_json
+
 __all__ = ['compatibility', 'device_name', 'nccl_usable', 'require',
            'to_device', 'to_host', 'xp']
 
@@ -124,12 +126,13 @@ def nccl_usable(comm: Any) -> Tuple[bool, str]:
     """
     from chainermn_overlap.communication import streams
     if not streams.nccl_available():
-        comm.allgather(None)  # the same collectives on every rank
+        # The same collectives on every rank; JSON, never pickle.
+        _mpi_json.allgather_json(comm, None, what='the GPU bus ids')
         return False, 'cupy has no NCCL or sees no GPU'
     import cupy
     dev = cupy.cuda.Device().id
     pci = cupy.cuda.runtime.deviceGetPCIBusId(dev)
-    buses = comm.allgather(pci)
+    buses = _mpi_json.allgather_json(comm, pci, what='the GPU bus ids')
     if len(set(buses)) < len(buses):
         return False, ('{} ranks share {} GPU(s); NCCL refuses ranks that '
                        'share a GPU'.format(len(buses), len(set(buses))))

@@ -49,6 +49,7 @@ import time
 
 import numpy
 
+from chainermn_overlap.communication import blocking
 from chainermn_overlap.communication import watchdog as watchdog_module
 
 __all__ = ['Fetch', 'ShardServer']
@@ -98,7 +99,7 @@ def _prepare_contexts(mpi_comm):
     for comm in comms:
         # The first reduction of an object creates the context (once per
         # communicator, cached); here every rank makes it at once.
-        comm.allreduce(0)
+        blocking.object_context(comm)
 
 
 class Fetch(object):
@@ -216,7 +217,8 @@ class ShardServer(object):
     """
 
     def __init__(self, mpi_comm, rank):
-        self.comm = mpi_comm.Dup()
+        self.comm = blocking.dup(mpi_comm, "the parameter server's "
+                                 'communicator')
         # Every rank has reached the Dup above (it agrees on a context id), so
         # this collective, which holds the interpreter lock, waits for no
         # one long.
@@ -263,21 +265,17 @@ class ShardServer(object):
 
     def reset(self):
         """Forgets every piece (a new layout publishes its own)."""
-        MPI = _mpi()
         with self._cond:
             for sends in self._sends.values():
-                MPI.Request.Waitall(sends)
+                blocking.wait(sends, 'the answers to fetches of parameters')
             self._pieces, self._version, self._sends = {}, {}, {}
 
     def before_update(self, index):
         """Waits until no answer of bucket ``index`` is being sent."""
-        MPI = _mpi()
         with self._cond:
             sends = list(self._sends.get(index, ()))
-        delay = _MIN_SLEEP
-        while sends and not MPI.Request.Testall(sends):
-            time.sleep(delay)
-            delay = min(2 * delay, _MAX_SLEEP)
+        blocking.wait(sends, 'the answers to fetches of the parameters of '
+                      'bucket {}'.format(index))
         with self._cond:
             self._sends[index] = [r for r in self._sends[index]
                                   if r not in sends]
@@ -401,8 +399,7 @@ class ShardServer(object):
         self.stop()
         self._stopped.wait(5.0)
         for sends in self._sends.values():
-            for r in sends:
-                r.Wait()
+            blocking.wait(sends, 'the answers to fetches of parameters')
         try:
             self.comm.Free()
         except Exception:  # MPI may already be finalized at exit
