@@ -42,6 +42,7 @@ from typing import Any, Callable, Dict, Optional, Sequence
 import numpy
 
 from chainermn_overlap import config
+from chainermn_overlap.communication import blocking
 from chainermn_overlap.communication.requests import _fmt_s
 from chainermn_overlap.communication.requests import abandoned
 from chainermn_overlap.communication.requests import wait_requests
@@ -246,7 +247,8 @@ class StallInspector(object):
 
     def __init__(self, mpi_comm: Any, status: Callable[[], Dict[str, Any]],
                  poll: float = 0.2, owner: Any = None) -> None:
-        self.comm = mpi_comm.Dup()
+        self.comm = blocking.dup(mpi_comm, "the stall inspector's "
+                                 'communicator')
         # Stops by itself once its backend is closed or garbage collected.
         self._owner = None if owner is None else weakref.ref(owner)
         self.rank = self.comm.Get_rank()

@@ -17,6 +17,7 @@ import numpy
 
 from chainermn_overlap import _host
 from chainermn_overlap import _mpi_json
+from chainermn_overlap.communication import blocking
 from chainermn_overlap.communication import buckets as buckets_module
 from chainermn_overlap.communication import watchdog as watchdog_module
 from chainermn_overlap.optimizers._tracker import ParamState
@@ -32,12 +33,14 @@ UNCHANGED, RELAYOUT, SKIP = 0, 1, 2
 # Parameters move as raw bytes (JSON for metadata, see _mpi_json): nothing
 # received from a peer is ever unpickled.
 
-def bcast_array(mpi_comm, array, root):
-    """Broadcasts an array in place (as bytes; staged on the host for GPU)."""
+def bcast_array(mpi_comm, array, root, timeout=None, what='a parameter'):
+    """Broadcasts an array in place (as bytes; staged on the host for GPU),
+    bounded by ``timeout`` (None: the environment's limit)."""
     from mpi4py import MPI
     host, finish = _host.stage_to_host(array)
     buf = numpy.ascontiguousarray(host)
-    mpi_comm.Bcast([buf.view(numpy.uint8).reshape(-1), MPI.BYTE], root=root)
+    blocking.bcast(mpi_comm, [buf.view(numpy.uint8).reshape(-1), MPI.BYTE],
+                   root, 'the broadcast of ' + what, timeout)
     if buf is not host:
         host[...] = buf
     if finish is not None:
@@ -88,6 +91,13 @@ class LayoutManager(object):
         # (name, param, group) of the parameters reduced within a group
         # (``param.reduction_group``, e.g. distconv's channel blocks).
         self.grouped = []
+        # The optimizer's watchdog options: their timeout bounds the
+        # relayout's collectives (None: the environment's limit).
+        self.watch_options = {}
+
+    @property
+    def timeout(self):
+        return self.watch_options.get('timeout')
 
     # ------------------------------------------------------------------
     # What changed
@@ -206,20 +216,27 @@ class LayoutManager(object):
         gathered = _mpi_json.allgather_json(
             comm, {'params': mine, 'loaded': bool(self.loaded),
                    'changes_step': self.changes_step(target),
-                   'order': observed, 'grouped': grouped, 'whole': whole})
-        self._check_same_model(named, gathered, set(grouped))
-        self._check_groups(gathered, grouped, named)
+                   'order': observed, 'grouped': grouped, 'whole': whole},
+            what='the model description of a relayout',
+            timeout=self.timeout)
+        replicated = [(n, p) for n, p in named if groups[n] is None]
+        # An error on one rank only (a parameter that cannot initialise
+        # here) is raised on every rank before the broadcasts.
+        with blocking.agreement(comm, 'the checks of a relayout',
+                                self.timeout):
+            self._check_same_model(named, gathered, set(grouped))
+            self._check_groups(gathered, grouped, named)
+            self._initialise(replicated, gathered)
         if skip is None:
             skip = (any(g['changes_step'] for g in gathered)
                     and not all(g['loaded'] for g in gathered))
-        replicated = [(n, p) for n, p in named if groups[n] is None]
-        self._initialise_and_broadcast(replicated, gathered)
+        self._broadcast(replicated, gathered)
         self.grouped = [(n, p, groups[n]) for n, p in named
                         if groups[n] is not None]
         for n, p, group in self.grouped:
             # Blocks differ between groups: broadcast within the group, in
             # name order (the same on every member).
-            bcast_array(group.mpi_comm, p.array, root=0)
+            bcast_array(group.mpi_comm, p.array, 0, self.timeout, n)
         # Kept whole if any rank's rules say so: every rank's check then
         # passes (sharding.rules).
         whole = set()
@@ -227,7 +244,8 @@ class LayoutManager(object):
             whole.update(g['whole'])
         plan = _mpi_json.bcast_json(
             comm, self._plan(replicated, gathered[0]['order'], whole)
-            if self.rank == 0 else None)
+            if self.rank == 0 else None, what='the bucket plan',
+            timeout=self.timeout)
         by_name = dict(named)
         buckets, infos = [], []
         for index, item in enumerate(plan):
@@ -246,16 +264,17 @@ class LayoutManager(object):
         self.loaded = False
         return buckets, infos, skip
 
-    def _initialise_and_broadcast(self, named, gathered):
+    @staticmethod
+    def _owners(n, gathered):
+        return [r for r, g in enumerate(gathered)
+                if g['params'][n][0] is not None]
+
+    def _initialise(self, named, gathered):
         # Initialise what other ranks initialised (a lazily initialised link
-        # that ran on some ranks only), then broadcast every parameter from
-        # the lowest rank that has it (rank 0 whenever it does).
+        # that ran on some ranks only).
         for n, p in named:
-            owners = [r for r, g in enumerate(gathered)
-                      if g['params'][n][0] is not None]
-            if not owners:
-                continue
-            if p.array is None:
+            owners = self._owners(n, gathered)
+            if owners and p.array is None:
                 shape, dtype = gathered[owners[0]]['params'][n]
                 p.initialize(tuple(shape))
                 if str(p.dtype) != dtype:
@@ -263,7 +282,15 @@ class LayoutManager(object):
                         'parameter {} initialises as {} on rank {} but as {} '
                         'on rank {}; give its initializer an explicit dtype.'
                         .format(n, p.dtype, self.rank, dtype, owners[0]))
-            bcast_array(self.mpi_comm, p.array, root=owners[0])
+
+    def _broadcast(self, named, gathered):
+        # Every parameter from the lowest rank that has it (rank 0 whenever
+        # it does).
+        for n, p in named:
+            owners = self._owners(n, gathered)
+            if owners:
+                bcast_array(self.mpi_comm, p.array, owners[0], self.timeout,
+                            n)
 
     def _plan(self, named, observed, whole=()):
         # Rank 0's observed gradient order (backward order), then the rest

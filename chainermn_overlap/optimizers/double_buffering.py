@@ -68,6 +68,7 @@ class _DoubleBufferingState(object):
         self.layout = LayoutManager(self.mpi_comm, bucket_size,
                                     allreduce_grad_dtype, 'update',
                                     allow_groups=False)
+        self.layout.watch_options = watch_options
         self.stats = CommunicationStats()
         self.compression = compression
         # Two buffer sets: one receives this iteration's gradients while

@@ -588,7 +588,7 @@ def create_overlapped_optimizer(
                           zero_fill, allreduce_grad_dtype, backend,
                           backend_options, tl, compression,
                           shard_opts if shard is not None else None)
-    state.watch_options = watch_options
+    state.watch_options = state.layout.watch_options = watch_options
     if tl is not None:
         tl.write_at_exit()
     return _OverlappedOptimizer(state)
