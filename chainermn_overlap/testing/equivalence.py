@@ -33,7 +33,9 @@ import numpy as np
 import chainer
 import chainermn
 
+from chainermn_overlap import _mpi_json
 from chainermn_overlap import config
+from chainermn_overlap.communication import blocking
 from chainermn_overlap.testing import models
 
 __all__ = [
@@ -347,7 +349,8 @@ def all_ranks_ok(ok: bool, message: str = '',
                  comm: Any = None) -> Tuple[bool, str]:
     """Allgather a pass/fail flag; returns ``(all_ok, report)``."""
     comm = comm or get_communicator()
-    results = comm.mpi_comm.allgather((bool(ok), message))
+    results = _mpi_json.allgather_json(comm.mpi_comm, (bool(ok), message),
+                                       what='the test flags')
     report = '\n'.join('rank %d: %s' % (r, m)
                        for r, (o, m) in enumerate(results) if not o)
     return all(o for o, _ in results), report
@@ -361,6 +364,35 @@ def assert_all_ranks(ok: bool, message: str = '',
         raise AssertionError(report)
 
 
+def _bcast_state(mpi_comm: Any, state: State) -> State:
+    """Rank 0's ``{name: array or None}`` on every rank: the names, shapes
+    and dtypes as JSON, the arrays' bytes in one buffer (bounded waits)."""
+    from mpi4py import MPI
+    names = sorted(state)
+    meta = _mpi_json.bcast_json(
+        mpi_comm, [[n, None if state[n] is None else
+                    [list(state[n].shape), state[n].dtype.str]]
+                   for n in names], what='the test state names')
+    sizes = [int(np.prod(m[0])) * np.dtype(m[1]).itemsize
+             for _, m in meta if m is not None]
+    if mpi_comm.Get_rank() == 0:
+        buf = np.concatenate(
+            [np.ascontiguousarray(state[n]).reshape(-1).view(np.uint8)
+             for n, m in meta if m is not None] + [np.empty(0, np.uint8)])
+    else:
+        buf = np.empty(sum(sizes), dtype=np.uint8)
+    blocking.bcast(mpi_comm, [buf, MPI.BYTE], 0, 'the test state')
+    out, at = {}, 0
+    for name, m in meta:
+        if m is None:
+            out[name] = None
+            continue
+        n = int(np.prod(m[0])) * np.dtype(m[1]).itemsize
+        out[name] = buf[at:at + n].view(np.dtype(m[1])).reshape(m[0])
+        at += n
+    return out
+
+
 def cross_rank_errors(link: chainer.Link, comm: Any = None) -> List[str]:
     """Differences of ``link``'s parameters from rank 0's (must be exact).
 
@@ -371,7 +403,7 @@ def cross_rank_errors(link: chainer.Link, comm: Any = None) -> List[str]:
     """
     comm = comm or get_communicator()
     mine = param_state(link, persistents=False)
-    root = comm.mpi_comm.bcast(mine if comm.rank == 0 else None, root=0)
+    root = _bcast_state(comm.mpi_comm, mine)
     errors = []
     for name in sorted(set(mine) | set(root)):
         a, b = mine.get(name), root.get(name)
@@ -420,7 +452,8 @@ def assert_different(got: Union[chainer.Link, State],
 def assert_same_value(value: Any, what: str, comm: Any = None) -> None:
     """A Python value is equal on every rank (e.g. ``opt.t``)."""
     comm = comm or get_communicator()
-    values = comm.mpi_comm.allgather(value)
+    values = _mpi_json.allgather_json(comm.mpi_comm, value, tuples=True,
+                                      what='the values of ' + what)
     assert_all_ranks(all(v == values[0] for v in values),
                      '%s differs across ranks: %r' % (what, values), comm)
 
