@@ -33,13 +33,13 @@ pytestmark = pytest.mark.skipif(not os.path.exists(MPIEXEC),
                                 reason='needs mpiexec next to the Python')
 
 
-def run_job(*args, limit=60.0, env=None):
+def run_job(*args, limit=60.0, env=None, job=JOB):
     """Runs the job; returns (returncode or None if killed, output, s).
 
     The elapsed time is counted from the injection line, when seen, so it
     measures the time from the fault to the end of the job.
     """
-    cmd = [MPIEXEC, '-n', '2', '-l', sys.executable, JOB] + list(args)
+    cmd = [MPIEXEC, '-n', '2', '-l', sys.executable, job] + list(args)
     full_env = dict(os.environ, OMP_NUM_THREADS='1', OPENBLAS_NUM_THREADS='1')
     full_env.pop('CHAINERMN_OVERLAP_TIMEOUT', None)
     full_env.pop('CHAINERMN_OVERLAP_STALL_WARNING', None)
