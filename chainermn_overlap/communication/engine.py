@@ -222,8 +222,8 @@ class Engine(object):
         self.debug = debug
         if mpi_comm is None:
             return
-        _agree_on_stall_reports(mpi_comm, stall_warning is not None,
-                                self.rank, timeout)
+        _agree_on_settings(mpi_comm, self.rank, timeout,
+                           stall_warning is not None, debug)
         if stall_warning is not None and self.inspector is None:
             self.inspector = watchdog_module.StallInspector(
                 mpi_comm, self.status, owner=self)
@@ -480,25 +480,32 @@ _CLOSE_LEFT = ('{}: close() waited {:.1f} s for the communication thread to '
                'close() on every rank at the same point.')
 
 
-def _agree_on_stall_reports(mpi_comm: Any, on: bool, rank: int,
-                            timeout: Optional[float]) -> None:
+def _agree_on_settings(mpi_comm: Any, rank: int, timeout: Optional[float],
+                       stall: bool, debug: bool) -> None:
     """Raises on every rank unless all ranks turn stall reports on, or all
-    off: the inspector's ``Dup`` is a collective, and an environment
-    variable set on some ranks only would leave the others waiting in it.
-    One tiny allreduce (bounded by the watchdog's timeout)."""
+    off, and likewise the debug check: the inspector's ``Dup`` is a
+    collective, and the debug check adds a collective before each one, so
+    an environment variable set on some ranks only would leave the others
+    waiting (or pair different collectives).  One tiny allreduce (bounded
+    by the watchdog's timeout)."""
     import numpy
     from mpi4py import MPI
-    flags = numpy.array([on, not on], dtype=numpy.int32)
+    flags = numpy.array([stall, not stall, debug, not debug],
+                        dtype=numpy.int32)
     request = mpi_comm.Iallreduce(MPI.IN_PLACE, flags, op=MPI.MAX)
     watchdog_module.wait_requests([request], 'the agreement on stall '
-                                  'reports', rank, timeout)
-    if flags.all():
-        raise ValueError(
-            'rank {}: stall reports are on for some ranks and off for '
-            'others ({} or stall_warning= differ between ranks; here: {}): '
-            'give every rank the same value (mpiexec -genv {} S)'.format(
-                rank, config.STALL_WARNING_ENV, 'on' if on else 'off',
-                config.STALL_WARNING_ENV))
+                                  'reports and the debug check', rank,
+                                  timeout)
+    for i, (what, env, option, mine) in enumerate((
+            ('stall reports are', config.STALL_WARNING_ENV,
+             'stall_warning=', stall),
+            ('the debug check is', config.DEBUG_ENV, 'debug=', debug))):
+        if flags[2 * i] and flags[2 * i + 1]:
+            raise ValueError(
+                'rank {}: {} on for some ranks and off for others ({} '
+                'or {} differ between ranks; here: {}): give every rank the '
+                'same value (mpiexec -genv {} ...)'.format(
+                    rank, what, env, option, 'on' if mine else 'off', env))
 
 
 def _resolve(timeout, stall_warning, debug):

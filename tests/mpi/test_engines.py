@@ -345,6 +345,25 @@ def test_stall_reports_on_some_ranks_only_is_an_error_on_every_rank(name):
         engine.close()
 
 
+@needs_two
+@pytest.mark.parametrize('name', ENGINES)
+def test_debug_check_on_some_ranks_only_is_an_error_on_every_rank(name):
+    # The debug check runs a collective before each one: on some ranks
+    # only, it would pair with the others' real collectives.  The check is
+    # on for the last rank only (each rank's message says its own value).
+    debug = RANK == LAST
+    with pytest.raises(ValueError, match='the debug check is on for some '
+                       'ranks and off for others') as e:
+        make(name, debug=debug, timeout=20)
+    assert 'here: {}'.format('on' if debug else 'off') in str(e.value)
+    assert on_every_rank(True)
+    engine = make(name, debug=True, timeout=20)   # agreed: fine
+    try:
+        assert engine.debug
+    finally:
+        engine.close()
+
+
 # ---------------------------------------------------------------------------
 # The failure latch
 # ---------------------------------------------------------------------------
