@@ -15,6 +15,8 @@ from typing import TYPE_CHECKING, Any, List, Optional, Sequence, Tuple, Union
 import chainer
 import numpy
 
+from chainermn_overlap import _mpi_json
+from chainermn_overlap.communication import blocking
 from chainermn_overlap.distconv import distribution
 from chainermn_overlap.distconv import geometry
 from chainermn_overlap.distconv import layout_check
@@ -37,6 +39,24 @@ def _part(part, name):
     get.__name__ = name
     return property(get, doc='``%s.%s`` (see the class docstring).'
                     % (part, name))
+
+
+def _same_on_every_process(mpi_comm, settings):
+    """Raises the same ValueError on every process unless all give the
+    same ``settings`` (they decide the grid's communicators and which
+    collectives its layers run)."""
+    every = _mpi_json.allgather_json(mpi_comm, settings,
+                                     what="distconv.SpatialGrid's arguments")
+    differ = sorted(k for k in settings
+                    if any(e[k] != every[0][k] for e in every))
+    if differ:
+        raise ValueError(
+            'distconv.SpatialGrid: the arguments {} differ between processes '
+            '({}); give every process the same grid.'.format(
+                differ, '; '.join(
+                    'process {}: {}'.format(r, ', '.join(
+                        '{}={!r}'.format(k, e[k]) for k in differ))
+                    for r, e in enumerate(every))))
 
 
 class SpatialGrid(object):
@@ -154,15 +174,24 @@ class SpatialGrid(object):
                  progress_min_cells: int = 32768,
                  channels: int = 1, channel_overlap: bool = True) -> None:
         mpi_comm = getattr(comm, 'mpi_comm', comm)
-        topology = GridTopology(shape, mpi_comm.Get_size(),
-                                mpi_comm.Get_rank(), channels)
-        layout_check.check_mode(check)
-        for name, value in (('progress_pieces', progress_pieces),
-                            ('progress_min_cells', progress_min_cells)):
-            if not isinstance(value, (int, numpy.integer)) or value < 1:
-                raise ValueError(
-                    'distconv.SpatialGrid: %s must be a positive int, got '
-                    '%r' % (name, value))
+        # A bad argument on some processes only is raised on every one
+        # before the grid's first communicator is built (the others would
+        # wait in it).
+        with blocking.agreement(mpi_comm, 'the checks of distconv.'
+                                'SpatialGrid\'s arguments'):
+            topology = GridTopology(shape, mpi_comm.Get_size(),
+                                    mpi_comm.Get_rank(), channels)
+            layout_check.check_mode(check)
+            for name, value in (('progress_pieces', progress_pieces),
+                                ('progress_min_cells', progress_min_cells)):
+                if not isinstance(value, (int, numpy.integer)) or value < 1:
+                    raise ValueError(
+                        'distconv.SpatialGrid: %s must be a positive int, '
+                        'got %r' % (name, value))
+        _same_on_every_process(mpi_comm, {
+            'shape': list(topology.shape), 'channels': topology.channels,
+            'check': check, 'overlap': bool(overlap),
+            'channel_overlap': bool(channel_overlap)})
         self.comm = comm
         self.topology = topology
         self.overlap = bool(overlap)

@@ -16,7 +16,9 @@ raised, or ``bounded_job: rank R finished`` when nothing did.
 * ``exchange-stall``: rank 1 never posts the distconv exchange rank 0 waits
   for (it sleeps).
 * ``split-stall``: rank 1 never comes to the construction of a distconv
-  grid (its communicators' ``Split``), rank 0 does.
+  grid's communicators (``Dup``, ``Split``), rank 0 does.
+* ``grid-arguments``: rank 1 gives the grid another ``check=``.
+* ``grid-bad-argument``: rank 1 gives the grid ``progress_pieces=0``.
 """
 import sys
 import time
@@ -75,11 +77,19 @@ def exchange(extra):
 
 
 def split_stall():
-    from chainermn_overlap import distconv
+    from chainermn_overlap.distconv import topology
     if rank == 1:
         say('injects a stall: it never builds the grid')
         time.sleep(30)
-    distconv.SpatialGrid(world, (2,))
+    # The grid's communicators (SpatialGrid agrees on its arguments first).
+    topology.GridCommunicators(world, topology.GridTopology((2,), 2, rank))
+
+
+def grid(**options):
+    from chainermn_overlap import distconv
+    if rank == 1:
+        say('injects the grid argument(s) {}'.format(options))
+    distconv.SpatialGrid(world, (2,), **(options if rank == 1 else {}))
 
 
 def main():
@@ -91,6 +101,10 @@ def main():
             exchange(scenario == 'exchange-mismatch')
         elif scenario == 'split-stall':
             split_stall()
+        elif scenario == 'grid-arguments':
+            grid(check='always')
+        elif scenario == 'grid-bad-argument':
+            grid(progress_pieces=0)
         else:
             raise SystemExit('unknown scenario ' + scenario)
     except Exception as e:  # the outcome the test checks, on every rank

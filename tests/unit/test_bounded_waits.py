@@ -95,5 +95,24 @@ def test_a_stalled_rank_ends_the_job(scenario, what):
     assert code is not None and code != 0 and elapsed < BOUND, (elapsed, out)
 
 
+@pytest.mark.parametrize('scenario, own, others', [
+    ('grid-arguments', 'differ between processes', 'differ between '
+     "processes (process 0: check='cached'; process 1: check='always')"),
+    ('grid-bad-argument', 'progress_pieces must be a positive int',
+     'failed on rank 1'),
+])
+def test_grid_arguments_of_one_rank_raise_on_every_rank(scenario, own,
+                                                        others):
+    # A distconv grid's arguments decide its communicators and collectives:
+    # an argument that is bad or different on rank 1 only is a ValueError
+    # on both ranks, before the grid's first communicator is built.
+    code, out, elapsed = run(scenario)
+    assert 'rank 1 injects the grid argument' in out, out
+    mine, theirs = raised(out, 1), raised(out, 0)
+    assert mine and mine[0] == 'ValueError' and own in mine[1], out
+    assert theirs and theirs[0] == 'ValueError' and others in theirs[1], out
+    assert code == 0 and elapsed < BOUND, (elapsed, out)
+
+
 if __name__ == '__main__':
     sys.exit(pytest.main([__file__]))
