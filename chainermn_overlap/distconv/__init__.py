@@ -179,6 +179,8 @@ from chainermn_overlap.distconv.decoder_links import DeconvolutionND  # NOQA
 from chainermn_overlap.distconv.decoder_links import (  # NOQA
     GroupNormalization)
 from chainermn_overlap.distconv.grid import SpatialGrid  # NOQA
+from chainermn_overlap.distconv.resize import concat  # NOQA
+from chainermn_overlap.distconv.resize import resize_images  # NOQA
 from chainermn_overlap.distconv.group_norm import group_normalization  # NOQA
 from chainermn_overlap.distconv.links import BatchNormalization  # NOQA
 from chainermn_overlap.distconv.links import Convolution2D  # NOQA
@@ -206,12 +208,12 @@ __all__ = [
     'Deconvolution2D', 'DeconvolutionND', 'GroupNormalization',
     'ReductionGroup', 'RegionExchange', 'RegionExchangeAdjoint',
     'SpatialGrid', 'Tiled', 'average_pooling_2d', 'average_pooling_nd',
-    'batch_normalization', 'channel_block', 'check_replicated',
+    'batch_normalization', 'channel_block', 'check_replicated', 'concat',
     'convolution_2d', 'convolution_nd', 'deconvolution_2d',
     'deconvolution_nd', 'gather_channels', 'geometry',
     'global_average_pooling', 'group_normalization', 'load_serial_params',
     'max_pooling_2d', 'max_pooling_nd', 'reduction_groups',
-    'region_exchange', 'sample_share', 'store_serial_params',
+    'region_exchange', 'resize_images', 'sample_share', 'store_serial_params',
     'to_replicated', 'to_sample_layout', 'to_spatial_layout', 'tune',
     'tuner', 'unpooling_2d', 'unpooling_nd',
 ]
