@@ -4,7 +4,6 @@ Collective tests (``tests/mpi_run.py -n N``); faults that end processes are
 in ``tests/unit/test_faults.py``, which launches jobs of its own.
 """
 import copy
-import time
 
 import numpy as np
 import pytest
@@ -247,7 +246,6 @@ def test_long_run_identical_across_ranks_and_to_chainermn(comm):
         chainer.optimizers.SGD(0.05), comm).setup(ours)
     ref_opt = eq.REFERENCE.create(chainer.optimizers.SGD(0.05), comm)
     ref_opt.setup(ref)
-    t0 = time.perf_counter()
     checks = 0
     for it in range(steps):
         x, t = xs[it, lo:hi], ts[it, lo:hi]
@@ -263,8 +261,6 @@ def test_long_run_identical_across_ranks_and_to_chainermn(comm):
     # Training did something (not a vacuous comparison).
     eq.assert_different(ours, template, rtol=1e-3, atol=1e-3,
                         what='trained vs initial')
-    elapsed = time.perf_counter() - t0
-    assert elapsed < 120, 'long run took %.0f s' % elapsed
 
 
 # ---------------------------------------------------------------------------
