@@ -145,8 +145,8 @@ def make_optimizer(mode, comm, cfg):
     if '_polled' in mode:
         opt._overlap.policy.gather_wait = 'poll'
     if mode.endswith('_throttled'):
+        # The policy throttles backward whenever in_flight is a bound.
         opt._overlap.policy.in_flight = (2, 'buckets')
-        opt._overlap.reducer.before_new_buffer = opt._overlap.policy.throttle
     return opt
 
 

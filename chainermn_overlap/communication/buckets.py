@@ -103,6 +103,9 @@ def plan_buckets(entries, bucket_size, allreduce_grad_dtype=None, tail=()):
 class Bucket(object):
     """Runtime state of one bucket: its buffer and its in-flight handle.
 
+    A sharded bucket (each rank owns a piece of it) is
+    :class:`chainermn_overlap.optimizers.sharding.layout.ShardedBucket`.
+
     Args:
         index (int): position in the posting order.
         plan (BucketPlan): members and dtype.
@@ -121,6 +124,15 @@ class Bucket(object):
         self.posted = False
         # True once the reduced sum has been turned into a mean.
         self.finalized = False
+
+    # How the bucket is cut between ranks (none: every rank holds it whole);
+    # part of the layout's fingerprint.
+    shard_counts = ()
+
+    def in_flight(self):
+        """Whether a collective of the bucket is posted and not done (the
+        communication thread then owns its memory)."""
+        return self.handle is not None and not self.handle.done()
 
     @property
     def nbytes(self):

@@ -30,6 +30,47 @@ thread.
 
 Engines are looked up by name in a small registry (:func:`get_backend`),
 the way communication hooks or array backends are registered elsewhere.
+
+Thread ownership
+----------------
+Two threads share the optimizer's data: the main (training) thread and the
+communication thread this module starts.  Ownership passes with the
+handle of each posted operation:
+
+* **Hand-over to the thread**: posting (``allreduce``/``run``, on the main
+  thread).  From then on the thread owns the operation's memory: a
+  bucket's ``buffer``; for a sharded bucket also ``shard_grad`` (written by
+  its reduce-scatter, cleared by its update), the parameters' arrays the
+  update writes in place (``param.array[...]``), the update rules' state
+  slices and the shard server's pieces (``shard='parameters'``), and a
+  compression's state (PowerSGD's factors and error feedback).
+* **Hand-back**: the handle completes.  The main thread may touch that
+  memory again only once ``handle.wait()`` returned (or ``done()`` is
+  true): the reducer's ``wait_bucket`` before it reads a mean, the update
+  policy's ``apply`` before a link's forward, ``flush_bucket`` before a
+  buffer is packed again.
+* **The thread only reads** what the main thread fixed before posting:
+  the bucket plan, ``bounds`` and members, the pieces, the update's
+  :class:`~chainermn_overlap.optimizers.sharding.rules.Snapshot`
+  (hyperparameters and hooks frozen on the main thread) and the main
+  thread's ``chainer.config`` values captured at the post
+  (:func:`.ownership.capture_config`: ``chainer.config`` is thread-local,
+  so the thread applies them around the update rules and hooks it runs;
+  a compression's and the float16 ring's arithmetic read no config).
+* **The main thread only reads**, while the thread owns a bucket: the
+  identity of ``bucket.buffer`` (the sharded throttle counts buffers the
+  thread has not released yet) and ``handle.done()``; ``param.grad`` may
+  be a view of a bucket in flight (``wait='forward'``, see the reducer's
+  ``alias_grad``) and is read only after ``synchronize()`` or the update.
+* The thread writes nothing else of the optimizer's.  Of the engine's
+  own fields, the main thread writes ``posted``, the thread ``completed``
+  and the activity it is in, and a handle's results before the handle is
+  marked done; each is one attribute write, which the stall inspector's
+  thread only reads.
+
+With ``debug=True`` the main thread's writes are checked: packing a
+gradient into a bucket whose collective is still in flight raises
+:class:`.ownership.OwnershipError` (:func:`.ownership.check_main_write`).
 """
 import threading
 import time

@@ -444,7 +444,7 @@ def layout_fingerprint(buckets: Sequence[Any]) -> int:
     shard pieces)."""
     text = '|'.join('{}:{}:{}:{}'.format(
         b.plan.dtype.str, b.plan.nelems, ','.join(b.names),
-        getattr(b, 'shard_counts', '')) for b in buckets)
+        ','.join(map(str, b.shard_counts))) for b in buckets)
     return zlib.crc32(text.encode()) & 0x7fffffff
 
 

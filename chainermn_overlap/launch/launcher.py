@@ -73,42 +73,9 @@ class Launcher(object):
                  hosts=None, ssh='ssh', min_hosts=None, host_discovery=None,
                  discovery_interval=10.0, connect_timeout=3.0,
                  max_resizes=10, session_grace=5.0):
-        self.hosts = list(hosts) if hosts else None
-        if host_discovery and self.hosts is None:
-            self.hosts = _hosts.discover(host_discovery)
-        if self.hosts:
-            self.hosts = _hosts.one_spelling(self.hosts)
-        if ranks is None:
-            if self.hosts is None:
-                raise ValueError('launch: give -n RANKS, or hosts with '
-                                 '--hostfile/--hosts/--host-discovery.')
-            ranks = sum(s for _, s in self.hosts)
-        if ranks < 1:
-            raise ValueError('launch: -n must be >= 1, got {}.'.format(ranks))
-        if min_ranks is None:
-            min_ranks = ranks if min_hosts is None else 1
-        if not 1 <= min_ranks <= ranks:
-            raise ValueError('launch: --min-ranks must be between 1 and -n '
-                             '({}), got {}.'.format(ranks, min_ranks))
-        if min_hosts is not None and (self.hosts is None or not 1 <= min_hosts
-                                      <= len(self.hosts)):
-            raise ValueError(
-                'launch: --min-hosts must be between 1 and the number of '
-                'hosts listed ({}), got {}; it needs --hostfile, --hosts or '
-                '--host-discovery.'.format(
-                    len(self.hosts or ()), min_hosts))
-        for flag, value in (('--max-restarts', max_restarts),
-                            ('--max-resizes', max_resizes)):
-            if value < 0:
-                raise ValueError('launch: {} must be >= 0, got {}.'.format(
-                    flag, value))
-        if mpiexec is None:
-            mpiexec = os.path.join(os.path.dirname(sys.executable), 'mpiexec')
-        if not os.path.exists(mpiexec):
-            raise ValueError(
-                'launch: no mpiexec at {}. Install MPICH into this Python '
-                'environment (pip install mpich) or pass --mpiexec PATH.'
-                .format(mpiexec))
+        self.hosts, ranks, min_ranks, mpiexec = _resolve(
+            hosts, host_discovery, ranks, min_ranks, min_hosts,
+            max_restarts, max_resizes, mpiexec)
         self.command = list(command)
         self.ranks = ranks
         self.max_restarts = max_restarts
@@ -389,6 +356,49 @@ class Launcher(object):
                      else min(delay * 2, self.backoff_max))
             attempt += 1
             restarts += 1
+
+
+def _resolve(hosts, host_discovery, ranks, min_ranks, min_hosts,
+             max_restarts, max_resizes, mpiexec):
+    """The launcher's options checked and completed: returns ``(hosts,
+    ranks, min_ranks, mpiexec)``; a ``ValueError`` names a bad one."""
+    hosts = list(hosts) if hosts else None
+    if host_discovery and hosts is None:
+        hosts = _hosts.discover(host_discovery)
+    if hosts:
+        hosts = _hosts.one_spelling(hosts)
+    if ranks is None:
+        if hosts is None:
+            raise ValueError('launch: give -n RANKS, or hosts with '
+                             '--hostfile/--hosts/--host-discovery.')
+        ranks = sum(s for _, s in hosts)
+    if ranks < 1:
+        raise ValueError('launch: -n must be >= 1, got {}.'.format(ranks))
+    if min_ranks is None:
+        min_ranks = ranks if min_hosts is None else 1
+    if not 1 <= min_ranks <= ranks:
+        raise ValueError('launch: --min-ranks must be between 1 and -n '
+                         '({}), got {}.'.format(ranks, min_ranks))
+    if min_hosts is not None and (hosts is None or not 1 <= min_hosts
+                                  <= len(hosts)):
+        raise ValueError(
+            'launch: --min-hosts must be between 1 and the number of '
+            'hosts listed ({}), got {}; it needs --hostfile, --hosts or '
+            '--host-discovery.'.format(
+                len(hosts or ()), min_hosts))
+    for flag, value in (('--max-restarts', max_restarts),
+                        ('--max-resizes', max_resizes)):
+        if value < 0:
+            raise ValueError('launch: {} must be >= 0, got {}.'.format(
+                flag, value))
+    if mpiexec is None:
+        mpiexec = os.path.join(os.path.dirname(sys.executable), 'mpiexec')
+    if not os.path.exists(mpiexec):
+        raise ValueError(
+            'launch: no mpiexec at {}. Install MPICH into this Python '
+            'environment (pip install mpich) or pass --mpiexec PATH.'
+            .format(mpiexec))
+    return hosts, ranks, min_ranks, mpiexec
 
 
 def _as_listed(result, allocation, names):

@@ -254,9 +254,10 @@ class LayoutManager(object):
                 numpy.dtype(dtype), tuple(tuple(e) for e in entries),
                 sum(e[2] for e in entries))
             params = [by_name[e[0]] for e in entries]
-            bucket = buckets_module.Bucket(index, bplan, params)
-            if self.shard_unit is not None:
-                self._shard(bucket, item[2])
+            if self.shard_unit is None:
+                bucket = buckets_module.Bucket(index, bplan, params)
+            else:
+                bucket = self._sharded(index, bplan, params, item[2])
             buckets.append(bucket)
             for i, (name, p) in enumerate(zip(bucket.names, params)):
                 infos.append(ParamState(name, p, bucket, i))
@@ -316,19 +317,18 @@ class LayoutManager(object):
                 item.append(c)
         return out
 
-    def _shard(self, bucket, counts):
-        """Gives a sharded bucket its pieces (rank 0's, broadcast)."""
-        dtypes = {str(p.dtype) for p in bucket.params}
+    def _sharded(self, index, plan, params, counts):
+        """A sharded bucket with its pieces (rank 0's, broadcast)."""
+        from chainermn_overlap.optimizers.sharding import layout
+        dtypes = {str(p.dtype) for p in params}
         if len(dtypes) != 1:
             raise ValueError(
                 'bucket {} mixes parameter dtypes {} (rank {}); shard= '
                 'needs the parameters of a bucket to share one dtype: use '
                 'shard=None for this model.'.format(
-                    bucket.index, sorted(dtypes), self.rank))
-        bucket.shard_counts = tuple(int(c) for c in counts)
-        bucket.param_dtype = numpy.dtype(dtypes.pop())
-        bucket.shard_grad = None
-        bucket.update_handle = None
+                    index, sorted(dtypes), self.rank))
+        return layout.ShardedBucket(index, plan, params, counts,
+                                    dtypes.pop())
 
     def _check_groups(self, gathered, grouped, named):
         if not grouped:

@@ -7,13 +7,20 @@ defers each parameter's update until its link next runs (or anything reads
 it): the optimizer's hyperparameters and hooks are snapshotted when the
 iteration closes, so a deferred update equals the one the blocking
 optimizer ran then.
+
+:class:`Policy` is the interface every update policy implements (this
+module's :class:`UpdatePolicy`, and the sharded ones of
+:mod:`chainermn_overlap.optimizers.sharding`): what the optimizer's
+wiring, the gradient tracker and the bucket reducer call.
 """
+import abc
 import contextlib
 import time
 import warnings
 
 from chainer import optimizer as optimizer_module
 
+from chainermn_overlap.communication import ownership
 from chainermn_overlap.errors import FallbackWarning
 from chainermn_overlap.optimizers import _clipping
 
@@ -68,34 +75,123 @@ def _run_rule(param, pre, post):
         hook(rule, param)
 
 
-class UpdatePolicy(object):
-    """Runs the update rules on the mean gradients.
+class Policy(abc.ABC):
+    """When and where the update rules run on the reduced gradients.
+
+    What each caller uses:
+
+    * the bucket reducer (through the optimizer's wiring):
+      :meth:`flush_bucket` before a bucket's buffer is reused,
+      :meth:`after_post` after a bucket is posted,
+      :meth:`before_new_buffer` before a transient buffer is allocated;
+      and, read when the reducer is built, the round's shape
+      (:attr:`items_per_bucket`, :attr:`extra_items`) and whether buffers
+      live only until reduced (:attr:`transient`);
+    * the gradient tracker: :meth:`apply` and :attr:`pending_count` (a
+      link's deferred updates before its forward); where
+      :attr:`gathers_params` is set, the policy also makes released
+      parameters whole for a use (``gather``, ``tapped``,
+      ``release_nodes``, ``raw_use``: sharding.params);
+    * the wiring: every other method.
 
     Args:
         actual (chainer.Optimizer): the wrapped optimizer.
         wait (str): ``'forward'`` or ``'update'``.
-        reducer (BucketReducer): waits for buckets and reads mean gradients.
+        reducer (BucketReducer): waits for buckets, reads mean gradients;
+            its engine bounds the policy's own waits.
         timeline: the optimizer's timeline (a ``NullTimeline`` if off).
-        mpi_comm: the optimizer's communicator (the norm of
-            ``GradientClipping`` over distconv's channel blocks,
-            :mod:`._clipping`).
+        mpi_comm: the optimizer's communicator (small collectives the main
+            thread posts, e.g. a gradient norm).
     """
+
+    # Items each bucket takes in a round of collectives, and items of a
+    # round besides those (the control message not counted).
+    items_per_bucket = 1
+    extra_items = 0
+    # Buckets' buffers live only until reduced.
+    transient = False
+    # Parameters are released between uses and made whole by the policy.
+    gathers_params = False
 
     def __init__(self, actual, wait, reducer, timeline, mpi_comm=None):
         self.actual = actual
-        self.mpi_comm = mpi_comm
         self.wait = wait
         self.reducer = reducer
         self.timeline = timeline
+        self.mpi_comm = mpi_comm
         self.infos = []
         self.by_bucket = {}
         # Updates of the last closed iteration not applied yet.
         self.pending_count = 0
+
+    @abc.abstractmethod
+    def set_layout(self, infos):
+        """A new bucket layout (``infos``: its ``ParamState`` objects)."""
+
+    @abc.abstractmethod
+    def finish_iteration(self, target, immediate=()):
+        """Every bucket of the iteration is posted: update or defer
+        (``immediate``: parameters reduced within their group, their
+        ``grad`` already the mean)."""
+
+    @abc.abstractmethod
+    def complete_in_update(self, immediate=()):
+        """Completes the iteration inside ``update()`` (a rebuilt layout)."""
+
+    @abc.abstractmethod
+    def apply(self, infos):
+        """Waits until the parameters of ``infos`` hold their update."""
+
+    @abc.abstractmethod
+    def flush_bucket(self, bucket):
+        """Finishes a bucket of an earlier iteration before its reuse."""
+
+    @abc.abstractmethod
+    def wait_posted(self, bucket):
+        """A bucket posted in the open iteration (``synchronize()``)."""
+
+    def after_post(self, bucket):
+        """A bucket was just posted (backward)."""
+
+    def before_new_buffer(self):
+        """A transient bucket buffer is about to be allocated."""
+
+    def before_relayout(self):
+        """The layout is about to be rebuilt."""
+
+    def abandon_round(self):
+        """The iteration's step is dropped (a relayout)."""
+
+    def serialize(self, actual, serializer):
+        actual.serialize(serializer)
+
+    def close(self):
+        """The optimizer is closed."""
+
+    def wait_requests(self, requests, label, hint=''):
+        """Waits for MPI requests of a collective the main thread posted,
+        bounded as the reductions are (the optimizer's ``timeout=``)."""
+        self.reducer.engine.watchdog.wait_requests(requests, label,
+                                                   hint=hint)
+
+
+class UpdatePolicy(Policy):
+    """Runs the update rules on the mean gradients (no sharding).
+
+    Args: as :class:`Policy`.
+    """
+
+    def __init__(self, actual, wait, reducer, timeline, mpi_comm=None):
+        super().__init__(actual, wait, reducer, timeline, mpi_comm)
         self.hyperparams = None
         # Optimizer hooks as they were when the deferred updates' iteration
         # closed: a hook added later must not apply to them (ChainerMN had
         # already run that update when the hook was added).
         self.deferred_hooks = None
+        # The user's chainer.config values when the iteration closed: a
+        # deferred update runs under them (at the next forward, an
+        # evaluation's train=False may be in force).
+        self.deferred_config = None
         self.warned_fallback = False
 
     def set_layout(self, infos):
@@ -126,20 +222,6 @@ class UpdatePolicy(object):
             self._defer(target)
             self._update_now(immediate)
 
-    def before_relayout(self):
-        """The layout is rebuilt: the update rules' states stay as they
-        are (they are whole)."""
-
-    def serialize(self, actual, serializer):
-        actual.serialize(serializer)
-
-    def close(self):
-        """The optimizer is closed."""
-
-    def abandon_round(self):
-        """The iteration's step is dropped (a relayout): every item of its
-        round is already posted, nothing to do."""
-
     def wait_posted(self, bucket):
         """A bucket posted in the open iteration: its reduction finishes
         and its result stays for ``update()``."""
@@ -153,15 +235,10 @@ class UpdatePolicy(object):
                                      self.wait_requests):
             self.actual.update()
 
-    def wait_requests(self, requests, label, hint=''):
-        """Waits for MPI requests of a collective the main thread posted,
-        bounded as the reductions are (as the sharded policy's)."""
-        self.reducer.engine.watchdog.wait_requests(requests, label,
-                                                   hint=hint)
-
     def _defer(self, target):
         actual = self.actual
         self.hyperparams = actual.hyperparam.get_dict()
+        self.deferred_config = ownership.capture_config()
         hookable = actual._hookable
         self.deferred_hooks = (list(hookable._pre_update_hooks.values()),
                                list(hookable._post_update_hooks.values()))
@@ -193,7 +270,8 @@ class UpdatePolicy(object):
             pre = list(hookable._pre_update_hooks.values())
             post = list(hookable._post_update_hooks.values())
         reducer = self.reducer
-        with hyperparams(actual.hyperparam, self.hyperparams):
+        with hyperparams(actual.hyperparam, self.hyperparams), \
+                ownership.using_config(self.deferred_config):
             for info in infos:
                 if not info.pending:
                     continue

@@ -19,6 +19,7 @@ import numpy
 import chainer
 
 from chainermn_overlap import _kernels
+from chainermn_overlap.communication import ownership
 from chainermn_overlap.communication import ring
 
 
@@ -183,11 +184,29 @@ class BucketReducer(object):
         stats (CommunicationStats): where to count (default: a new one).
         control (bool): whether each iteration's round of collectives also
             holds a control message (item 0, posted by ``before_first_post``).
+        items_per_bucket (int): items each bucket takes in a round (2 when
+            sharded: reduce-scatter and update; see sharding.policy).
+        extra_items (int): items of a round besides the buckets' and the
+            control message.
+        transient (bool): buffers are released once reduced (sharded);
+            before a bucket gets a new one, ``before_new_buffer()`` is
+            called (it may wait for earlier buckets).
+        keep_packed (bool): keep a reference to each packed gradient (to
+            notice a gradient changed after it was sent); not where
+            gradients are released.
+        before_new_buffer (callable): see ``transient``.
+        after_post (callable): ``after_post(bucket)`` just after a bucket
+            is posted (sharded: its update may be posted at once).
+
+    The engine is given once it exists (:meth:`bind_engine`: the
+    optimizer's ``setup()`` picks it from the model's device).
     """
 
     def __init__(self, engine, size, wait, timeline, before_reuse,
                  before_first_post, operation=None, stats=None,
-                 control=True):
+                 control=True, items_per_bucket=1, extra_items=0,
+                 transient=False, keep_packed=True, before_new_buffer=None,
+                 after_post=None):
         self.engine = engine
         self.size = size
         self.wait = wait
@@ -197,24 +216,21 @@ class BucketReducer(object):
         self.operation = operation or MeanAllreduce()
         self.stats = stats if stats is not None else CommunicationStats()
         self.first_item = 1 if control else 0
-        # Items each bucket takes in a round (2 when sharded: reduce-scatter
-        # and update; see sharding.policy).
-        self.items_per_bucket = 1
-        self.extra_items = 0
-        # Buffers released once reduced (sharded): before a bucket gets a
-        # new one, before_new_buffer() may wait for earlier buckets.
-        self.transient = False
-        # Keep a reference to each packed gradient (to notice a gradient
-        # changed after it was sent); not where gradients are released.
-        self.keep_packed = True
-        self.before_new_buffer = lambda: None
-        # Called with each bucket just after it is posted (sharded: its
-        # update may be posted at once).
-        self.after_post = lambda bucket: None
+        self.items_per_bucket = items_per_bucket
+        self.extra_items = extra_items
+        self.transient = transient
+        self.keep_packed = keep_packed
+        self.before_new_buffer = before_new_buffer or (lambda: None)
+        self.after_post = after_post or (lambda bucket: None)
         self.buckets = []
         self.next_post = 0
         self._scratch = {}
         self._largest = 0
+
+    def bind_engine(self, engine):
+        """Gives the reducer its progress engine (made at ``setup()``, a
+        new one if ``setup()`` follows ``close()``)."""
+        self.engine = engine
 
     def set_buckets(self, buckets):
         self.buckets = buckets
@@ -240,6 +256,9 @@ class BucketReducer(object):
             # The buffer still holds last iteration's mean for parameters
             # whose links have not run yet: apply those updates first.
             self.before_reuse(bucket)
+        if self.engine is not None and self.engine.debug:
+            ownership.check_main_write(
+                bucket, 'packing the gradient of {}'.format(info.name))
         xp = chainer.backend.get_array_module(info.param.array)
         if self.transient and bucket.buffer is None:
             # Buffers that live only until reduced: bound how many exist.

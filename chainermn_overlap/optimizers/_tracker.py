@@ -11,12 +11,10 @@ grad)``, which the optimizer wires to the bucket reducer.
 Per-parameter state lives in :class:`ParamState`, one per parameter of the
 current layout; the layout (:mod:`._layout`) creates them.
 
-:class:`GradientTracker` is about 370 lines, over the size guide's 350: the
-uses it counts in forward (when a link swaps its taps in, with the
-sharded-parameter swaps) and the taps it counts in backward update the same
-per-parameter counts under one invariant (final when every use has
-delivered), and split over two objects that invariant would have no owner.
+The links it hooks are a :class:`LinkSet`; the iteration it counts is an
+:class:`Iteration`, which the update policy and the wiring read.
 """
+import contextlib
 import time
 import weakref
 
@@ -68,77 +66,50 @@ class ParamState(object):
             self.bucket.n_ready -= 1
 
 
-class GradientTracker(taps.GradientSink):
-    """Turns hook events into "this parameter's gradient is final".
+class Iteration(object):
+    """The optimizer's iteration count (the round key of its collectives).
 
-    Args:
-        rank (int): for error messages.
-        timeline: the optimizer's timeline (a ``NullTimeline`` if off).
-        on_ready (callable): ``on_ready(info, grad_array_or_None)`` when a
-            gradient is final (the reducer packs it and posts what it can).
-        on_backward_start (callable): called at the first tap of an
-            iteration, when forward is complete on this rank.
-        apply_updates (callable): ``apply_updates(infos)`` applies pending
-            deferred updates (the update policy).
-        pending_count (callable): number of pending deferred updates.
+    The tracker advances it; the update policy and the wiring read it
+    (calling it returns the count).
     """
 
-    def __init__(self, rank, timeline, on_ready, on_backward_start,
-                 apply_updates, pending_count):
-        self.rank = rank
+    __slots__ = ('value',)
+
+    def __init__(self, value=0):
+        self.value = value
+
+    def __call__(self):
+        return self.value
+
+
+class LinkSet(object):
+    """The links the optimizer's link hook is on, and their names.
+
+    Args:
+        link_hook: the hook to add (``taps.OverlapLinkHook``).
+        timeline: the optimizer's timeline (links are named in it).
+    """
+
+    def __init__(self, link_hook, timeline):
+        self.link_hook = link_hook
         self.timeline = timeline
-        self.on_ready = on_ready
-        self.on_backward_start = on_backward_start
-        # Leave no gradient in param.grad once it is packed (sharded
-        # gradients: Chainer then keeps no full gradient either).
-        self.release_grads = False
-        # shard='parameters': what makes released parameters whole
-        # (sharding.params.ParameterShardedPolicy), else None.
-        self.shard_params = None
-        self.apply_updates = apply_updates
-        self._pending_count = pending_count
-        self.link_hook = taps.OverlapLinkHook(self)
-        self.hooked_links = weakref.WeakSet()
+        self.hooked = weakref.WeakSet()
         self.name_by_pid = {}
         self.link_names = {}
-        self.forward_started = {}
-        self.swaps = {}
-        self.no_sync_depth = 0
-        # The current layout's ParamStates (none before the first update).
-        self.has_layout = False
-        self.infos = []
-        self.info_by_pid = {}
-        self.array_lookup = {}
-        self.iteration = 0
-        self.backward_started = False
-        # Gradient order seen before the first layout (rank 0's becomes the
-        # bucket order).
-        self.observed = []
-        self.observed_set = set()
 
-    # ------------------------------------------------------------------
-    # GradientSink interface (used by the hooks)
+    def __contains__(self, link):
+        return link in self.hooked
 
-    @property
-    def pending_count(self):
-        return self._pending_count()
-
-    def apply_pending(self, info):
-        self.apply_updates([info])
-
-    # ------------------------------------------------------------------
-    # Hooks on links
-
-    def hook_links(self, target):
+    def hook(self, target):
         """Hooks every link of ``target`` that has parameters (again)."""
         current = set(target.links())
-        for link in list(self.hooked_links):
+        for link in list(self.hooked):
             if link not in current:
                 # Removed from the model (delete_link): no longer ours.
                 self.unhook(link)
         name = self.link_hook.name
         for link in current:
-            if link in self.hooked_links or not link._params:
+            if link in self.hooked or not link._params:
                 continue
             hooks = link.local_link_hooks
             if isinstance(hooks.get(name), taps.InertLinkHook):
@@ -152,7 +123,7 @@ class GradientTracker(taps.GradientSink):
                         .format(type(link).__name__))
             else:
                 link.add_hook(self.link_hook)
-            self.hooked_links.add(link)
+            self.hooked.add(link)
         self.name_by_pid = {id(p): n for n, p in target.namedparams()}
         if self.timeline.enabled:
             self.link_names = {id(l): n or '/'
@@ -161,12 +132,89 @@ class GradientTracker(taps.GradientSink):
     def unhook(self, link):
         if link.local_link_hooks.get(self.link_hook.name) is self.link_hook:
             link.delete_hook(self.link_hook.name)
-        self.hooked_links.discard(link)
+        self.hooked.discard(link)
         _autosync.unregister(link)
 
     def unhook_all(self):
-        for link in list(self.hooked_links):
+        for link in list(self.hooked):
             self.unhook(link)
+
+
+class GradientTracker(taps.GradientSink):
+    """Turns hook events into "this parameter's gradient is final".
+
+    Args:
+        rank (int): for error messages.
+        timeline: the optimizer's timeline (a ``NullTimeline`` if off).
+        on_ready (callable): ``on_ready(info, grad_array_or_None)`` when a
+            gradient is final (the reducer packs it and posts what it can).
+        on_backward_start (callable): called at the first tap of an
+            iteration, when forward is complete on this rank.
+        policy (chainermn_overlap.optimizers._policy.Policy): applies
+            pending deferred updates (``apply``, ``pending_count``); where
+            it ``gathers_params``, it also makes released parameters whole.
+        iteration (Iteration): the count this tracker advances (default:
+            a new one from 0).
+        release_grads (bool): leave no gradient in ``param.grad`` once it
+            is packed (sharded gradients: Chainer then keeps no full
+            gradient either).
+    """
+
+    def __init__(self, rank, timeline, on_ready, on_backward_start,
+                 policy, iteration=None, release_grads=False):
+        self.rank = rank
+        self.timeline = timeline
+        self.on_ready = on_ready
+        self.on_backward_start = on_backward_start
+        self.release_grads = release_grads
+        self.policy = policy
+        # What makes released parameters whole (shard='parameters').
+        self.shard_params = policy if policy.gathers_params else None
+        self.clock = iteration if iteration is not None else Iteration()
+        self.links = LinkSet(taps.OverlapLinkHook(self), timeline)
+        self.forward_started = {}
+        self.swaps = {}
+        self.no_sync_depth = 0
+        # The current layout's ParamStates (none before the first update).
+        self.has_layout = False
+        self.infos = []
+        self.info_by_pid = {}
+        self.array_lookup = {}
+        self.backward_started = False
+        # Gradient order seen before the first layout (rank 0's becomes the
+        # bucket order).
+        self.observed = []
+        self.observed_set = set()
+
+    @property
+    def iteration(self):
+        return self.clock.value
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Passes inside are not tracked (gradients accumulate locally)."""
+        self.no_sync_depth += 1
+        try:
+            yield
+        finally:
+            self.no_sync_depth -= 1
+
+    # ------------------------------------------------------------------
+    # GradientSink interface (used by the hooks)
+
+    @property
+    def pending_count(self):
+        return self.policy.pending_count
+
+    def apply_pending(self, info):
+        self.policy.apply([info])
+
+    def hook_links(self, target):
+        """Hooks every link of ``target`` that has parameters (again)."""
+        self.links.hook(target)
+
+    def unhook_all(self):
+        self.links.unhook_all()
 
     # ------------------------------------------------------------------
     # Forward
@@ -180,21 +228,21 @@ class GradientTracker(taps.GradientSink):
         return [(n, d[n]) for n in link._params]
 
     def before_forward(self, link, args, kwargs):
-        if link not in self.hooked_links:
+        if link not in self.links:
             return
         taps.ensure_param_use_hook()
         if self.timeline.enabled:
             self.forward_started.setdefault(id(link), []).append(
                 time.perf_counter())
         params = self._real_params(link)
-        if self._pending_count():
+        if self.policy.pending_count:
             todo = []
             for _, p in params:
                 info = self.info_by_pid.get(id(p))
                 if info is not None and info.pending:
                     todo.append(info)
             if todo:
-                self.apply_updates(todo)
+                self.policy.apply(todo)
         cfg = chainer.config
         recomputing = cfg.in_recomputing
         will_recompute = cfg._will_recompute
@@ -261,7 +309,8 @@ class GradientTracker(taps.GradientSink):
         starts = self.forward_started.get(id(link))
         if starts:
             self.timeline.span(
-                'forward ' + self.link_names.get(id(link), '?'), 'forward',
+                'forward ' + self.links.link_names.get(id(link), '?'),
+                'forward',
                 starts.pop(), time.perf_counter())
         stack = self.swaps.get(id(link))
         if stack:
@@ -329,7 +378,7 @@ class GradientTracker(taps.GradientSink):
         info = self.info_by_pid.get(id(param))
         if info is None:
             if not self.has_layout:
-                name = self.name_by_pid.get(id(param))
+                name = self.links.name_by_pid.get(id(param))
                 if name is not None and name not in self.observed_set:
                     self.observed_set.add(name)
                     self.observed.append(name)
@@ -368,7 +417,7 @@ class GradientTracker(taps.GradientSink):
 
     def on_raw_use(self, info):
         if info.pending:
-            self.apply_updates([info])
+            self.policy.apply([info])
         if self.shard_params is not None:
             self.shard_params.raw_use(info)
         if self.no_sync_depth or not self.has_layout:
@@ -434,7 +483,7 @@ class GradientTracker(taps.GradientSink):
     def next_iteration(self):
         for info in self.infos:
             info.reset()
-        self.iteration += 1
+        self.clock.value += 1
         self.backward_started = False
         self.array_lookup = {id(i.param.array): i for i in self.infos
                              if i.param.array is not None}

@@ -100,7 +100,7 @@ class _DoubleBufferingState(object):
             self.engine = _wrapper.make_engine(
                 self.backend_name, self.mpi_comm, {}, self.watch_options)
             for r in self.reducers:
-                r.engine = self.engine
+                r.bind_engine(self.engine)
         self.target = target
         self.layout.structure = None
 

@@ -37,17 +37,12 @@ from chainermn_overlap.communication import backends
 from chainermn_overlap.communication import timeline as timeline_module
 from chainermn_overlap.compression import PowerSGD
 from chainermn_overlap.hooks import taps
-from chainermn_overlap.optimizers import _reducer
+from chainermn_overlap.optimizers import _modes
 from chainermn_overlap.optimizers import _wrapper
 from chainermn_overlap.optimizers._layout import LayoutManager
 from chainermn_overlap.optimizers._layout import SKIP
 from chainermn_overlap.optimizers._layout import UNCHANGED
-from chainermn_overlap.optimizers._policy import UpdatePolicy
-from chainermn_overlap.optimizers._reducer import BucketReducer
-from chainermn_overlap.optimizers._tracker import GradientTracker
 from chainermn_overlap.optimizers.sharding import options as sharding_options
-from chainermn_overlap.optimizers.sharding import params as sharding_params
-from chainermn_overlap.optimizers.sharding import policy as sharding_policy
 from chainermn_overlap.optimizers.sharding import writers
 
 
@@ -56,12 +51,13 @@ __all__ = ['DEFAULT_BUCKET_SIZE', 'SUPPORTS_REDUCTION_GROUPS',
 
 DEFAULT_BUCKET_SIZE = 16 * 1024 * 1024
 
-class _OverlapState(object):
+class _OverlapState(_modes.Wiring):
     """The optimizer's parts and the wiring between them.
 
     The wrapper (:class:`_OverlappedOptimizer`) keeps this one object as its
     own state; :mod:`chainermn_overlap._autosync` calls ``synchronize``,
-    ``mark_loaded`` and ``on_cleargrads``.
+    ``mark_loaded`` and ``on_cleargrads``.  The mode (:mod:`._modes`) builds
+    the reducer, the update policy and the tracker.
     """
 
     def __init__(self, actual, communicator, wait, bucket_size, zero_fill,
@@ -84,52 +80,14 @@ class _OverlapState(object):
         self.target = None
         self.timeline = timeline or timeline_module.NullTimeline()
         # shard: the sharding_options.ShardOptions (None: no sharding).
-        shard_opts, shard = shard, shard.mode if shard else None
-        self.shard = shard
+        mode = _modes.Mode(shard, allreduce_grad_dtype, compression)
+        self.shard = mode.shard
         self.layout = LayoutManager(
             self.mpi_comm, bucket_size, allreduce_grad_dtype, wait,
-            shard_unit=shard_opts.unit if shard is not None else None)
-        if shard is None:
-            operation = _reducer.choose_operation(allreduce_grad_dtype,
-                                                  compression)
-        else:
-            operation = sharding_policy.ReduceScatterMean(self.rank)
-        self.reducer = BucketReducer(
-            None, self.size, wait, self.timeline,
-            before_reuse=self._flush_bucket,
-            before_first_post=self._post_control, operation=operation)
-        if shard is None:
-            self.policy = UpdatePolicy(actual, wait, self.reducer,
-                                       self.timeline, self.mpi_comm)
-        else:
-            self.reducer.items_per_bucket = 2
-            cls = (sharding_params.ParameterShardedPolicy
-                   if shard == 'parameters' else
-                   sharding_policy.ShardedPolicy)
-            self.reducer.extra_items = getattr(cls, 'extra_items', 0)
-            self.reducer.transient = True
-            self.policy = cls(
-                actual, wait, self.reducer, self.timeline, self.rank,
-                shard_opts.unit, shard != 'optimizer', self.mpi_comm,
-                iteration=lambda: self.tracker.iteration,
-                control=lambda: self.layout.control,
-                update_at=shard_opts.update)
-            if shard == 'parameters':
-                self.policy.prefetch_bytes = shard_opts.prefetch
-            self.reducer.after_post = self.policy.after_post
-        self.tracker = GradientTracker(
-            self.rank, self.timeline, on_ready=self._on_ready,
-            on_backward_start=self._on_backward_start,
-            apply_updates=self.policy.apply,
-            pending_count=lambda: self.policy.pending_count)
-        self.tracker.release_grads = shard in ('gradients', 'parameters')
-        if self.tracker.release_grads and shard_opts.in_flight is not None:
-            self.policy.in_flight = shard_opts.in_flight
-            if shard_opts.in_flight != 'auto':   # 'auto': between steps
-                self.reducer.before_new_buffer = self.policy.throttle
-        self.reducer.keep_packed = not self.tracker.release_grads
-        if shard == 'parameters':
-            self.tracker.shard_params = self.policy
+            shard_unit=shard.unit if shard is not None else None)
+        self.clock, self.reducer, self.policy, self.tracker = mode.build(
+            self, actual, wait, self.rank, self.size, self.mpi_comm,
+            self.timeline, self.layout)
 
     # What tests, benchmarks and the wrapper read.
     stats = property(lambda self: self.reducer.stats)
@@ -142,7 +100,7 @@ class _OverlapState(object):
 
     @iteration.setter
     def iteration(self, value):
-        self.tracker.iteration = value
+        self.clock.value = value
 
     # ------------------------------------------------------------------
     # Set-up
@@ -155,7 +113,7 @@ class _OverlapState(object):
             self.engine = _wrapper.make_engine(
                 self.backend_name, self.mpi_comm, self.backend_options,
                 self.watch_options)
-            self.reducer.engine = self.engine
+            self.reducer.bind_engine(self.engine)
         self.target = target
         # Chainer's patches stay installed while an optimizer is set up.
         _patches.acquire('optimizer', self)
@@ -215,24 +173,21 @@ class _OverlapState(object):
         if todo:
             self.policy.apply(todo)
 
-    def _on_ready(self, info, grad):
+    def on_ready(self, info, grad):
         self.reducer.pack(info, grad)
         self.reducer.try_post(self.tracker.iteration)
 
-    def _on_backward_start(self):
+    def on_backward_start(self):
         """First tap of the iteration: forward is complete on this rank."""
-        self._post_control()
+        self.before_first_post()
         for info in self.tracker.unsent():
             self.reducer.pack(info, info.param.grad)
         self.reducer.try_post(self.tracker.iteration)
 
-    def _post_control(self):
+    def before_first_post(self):
         self.layout.post_control(self.engine, self.target,
                                  self.reducer.buckets, self.tracker.iteration,
                                  n_items=self.reducer.round_items)
-
-    def _flush_bucket(self, bucket):
-        self.policy.flush_bucket(bucket)
 
     # ------------------------------------------------------------------
     # Closing an iteration (update())
@@ -251,7 +206,7 @@ class _OverlapState(object):
             self._relayout()
             return
         self._hook_links()
-        self._post_control()
+        self.before_first_post()
         for info in tracker.infos:
             if not info.ready:
                 reducer.pack(info, info.param.grad)
@@ -343,7 +298,7 @@ class _OverlapState(object):
                 # Posted in the open iteration: let it finish, keep result.
                 self.policy.wait_posted(bucket)
             elif bucket.handle is not None:
-                self._flush_bucket(bucket)
+                self.before_reuse(bucket)
         if self.shard == 'parameters' and not self.policy.save_shards:
             self.policy.materialize()   # (saving: shards.write_params)
 
@@ -400,12 +355,8 @@ class _OverlappedOptimizer(_wrapper.OptimizerWrapper):
         For gradient accumulation: run all micro-batches but the last inside
         this context, then the last one and ``update()`` outside.
         """
-        tracker = self._overlap.tracker
-        tracker.no_sync_depth += 1
-        try:
+        with self._overlap.tracker.no_sync():
             yield
-        finally:
-            tracker.no_sync_depth -= 1
 
     def serialize(self, serializer):
         st = self._overlap

@@ -26,7 +26,11 @@ so every rank uses the same layout by construction.
 """
 from typing import List, Optional, Sequence, Tuple
 
-__all__ = ['SHARD_UNITS', 'bounds_from_counts', 'element_counts',
+import numpy
+
+from chainermn_overlap.communication import buckets as buckets_module
+
+__all__ = ['SHARD_UNITS', 'ShardedBucket', 'bounds_from_counts', 'element_counts',
            'keep_whole', 'owned_range', 'parameter_counts', 'plan_counts']
 
 SHARD_UNITS = ('auto', 'element', 'parameter')
@@ -156,3 +160,32 @@ def owned_range(offset: int, size: int, start: int, stop: int
     if b <= a:
         return 0, 0, 0
     return a - offset, b - offset, a - start
+
+
+class ShardedBucket(buckets_module.Bucket):
+    """A bucket cut between ranks: each rank owns one piece of it.
+
+    Args:
+        index, plan, params: as :class:`~.buckets.Bucket`.
+        counts: elements of the bucket each rank owns, in rank order
+            (rank 0's plan, broadcast).
+        param_dtype: the dtype of every parameter of the bucket (the
+            update runs in it; the wire may be another).
+
+    Besides the bucket's own state, two fields the communication thread
+    writes (``communication/engine.py`` says when): ``shard_grad``, this
+    rank's piece of the mean once the bucket's reduce-scatter ran, and
+    ``update_handle``, the handle of the bucket's update and gather.
+    """
+
+    def __init__(self, index, plan, params, counts, param_dtype):
+        super().__init__(index, plan, params)
+        self.shard_counts = tuple(int(c) for c in counts)
+        self.bounds = bounds_from_counts(self.shard_counts)
+        self.param_dtype = numpy.dtype(param_dtype)
+        self.shard_grad = None
+        self.update_handle = None
+
+    def in_flight(self):
+        h = self.update_handle
+        return super().in_flight() or (h is not None and not h.done())

@@ -63,13 +63,15 @@ class ParameterShardedPolicy(sharded.ShardedPolicy):
     extra_items = 1
     # Updates are posted at update(): the owners' versions change there.
     early = False
-    # Bytes of whole buckets held besides the one in use: fetched ahead,
-    # or kept for a use soon (prefetch.UsePlan); 'auto' or None (no bound):
-    # see prefetch.budget.
-    prefetch_bytes = 'auto'
+    # The tracker asks it to make released parameters whole for a use.
+    gathers_params = True
 
-    def __init__(self, *args, **kwargs):
+    def __init__(self, *args, prefetch_bytes='auto', **kwargs):
         super().__init__(*args, **kwargs)
+        # Bytes of whole buckets held besides the one in use: fetched
+        # ahead, or kept for a use soon (prefetch.UsePlan); 'auto' or None
+        # (no bound): see prefetch.budget.
+        self.prefetch_bytes = prefetch_bytes
         self.server = None
         self.master = {}        # bucket index -> this rank's piece
         self.released = set()   # buckets whose params are placeholders

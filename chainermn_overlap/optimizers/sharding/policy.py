@@ -40,10 +40,8 @@ import numpy
 
 import chainer
 
-from chainermn_overlap.communication import watchdog
-from chainermn_overlap.errors import CollectiveMismatchError
-from chainermn_overlap.optimizers import _clipping
-from chainermn_overlap.optimizers import _layout
+from chainermn_overlap.optimizers import _policy
+from chainermn_overlap.optimizers import _reducer
 from chainermn_overlap.optimizers.sharding import collectives
 from chainermn_overlap.optimizers.sharding import layout as shard_layout
 from chainermn_overlap.optimizers.sharding import options
@@ -51,23 +49,18 @@ from chainermn_overlap.optimizers.sharding import rules
 from chainermn_overlap.optimizers.sharding import scaling
 from chainermn_overlap.optimizers.sharding import shards
 from chainermn_overlap.optimizers.sharding import state as sharding_state
+from chainermn_overlap.optimizers.sharding import updates
 from chainermn_overlap.optimizers.sharding import writers
 
 __all__ = ['ReduceScatterMean', 'ShardedPolicy']
-
-_EMPTY = numpy.empty(0, dtype=numpy.float32)
-
-
-def _xp(bucket):
-    return chainer.backend.get_array_module(bucket.params[0].array)
 
 
 def _mpi_wait(engine):
     return getattr(engine, 'mpi_wait', 'poll')
 
 
-class ReduceScatterMean(object):
-    """Item A of a bucket: this rank's piece of the mean (a BucketOperation).
+class ReduceScatterMean(_reducer.BucketOperation):
+    """Item A of a bucket: this rank's piece of the mean.
 
     The piece goes to ``bucket.shard_grad`` (the parameters' dtype); the
     bucket's full buffer is released as soon as it is reduced.
@@ -81,98 +74,43 @@ class ReduceScatterMean(object):
         a, b = bucket.bounds[self.rank]
 
         def reduce_scatter(comm, _):
-            xp = _xp(bucket)
+            xp = updates.xp_of(bucket)
             out = xp.empty(b - a, dtype=bucket.param_dtype)
             collectives.reduce_scatter_mean(comm, bucket.buffer, out,
                                             bucket.bounds, mpi_wait)
             bucket.shard_grad = out
             bucket.buffer = None
-        return engine.run(reduce_scatter, _EMPTY, label=label, slot=slot,
+        return engine.run(reduce_scatter, updates.EMPTY, label=label, slot=slot,
                           priority=priority, stage=False,
                           nbytes=bucket.nbytes)
 
     def finish(self, bucket, size):
         pass   # the mean is taken on the communication thread
 
-    def step_done(self):
-        pass
 
-
-def _gated(fn, noop, control, bucket, rank, size):
-    """A B posted in backward: ``fn`` if the round's control message found
-    the layout unchanged and agreed on, else ``noop`` (``update()`` then
-    rebuilds the layout, or raises the disagreement)."""
-    buf, handle = control
-
-    def gated(comm, array):
-        # The control message is item 0 with the highest priority: on
-        # every rank it ran before any B of its round.
-        if not handle.done():
-            raise RuntimeError('the update of {} ran before the control '
-                               'message of its round'.format(bucket.label()))
-        agreed = int(buf[0]) == _layout.UNCHANGED
-        if agreed:
-            try:
-                watchdog.check_control(buf, rank, size)
-            except CollectiveMismatchError:
-                agreed = False
-        return (fn if agreed else noop)(comm, array)
-    return gated
-
-
-class _Piece(object):
-    """The part ``lo:hi`` of a parameter this rank owns, at ``at``."""
-
-    __slots__ = ('info', 'lo', 'hi', 'at', 'proxy')
-
-    def __init__(self, info, lo, hi, at):
-        self.info = info
-        self.lo = lo
-        self.hi = hi
-        self.at = at
-        self.proxy = rules.make_proxy(info.param)
-
-    def prepare(self, bucket, values=None):
-        """Points the proxy at the parameter's slice and its gradient.
-
-        ``values``: this rank's piece of the bucket's parameters, where the
-        parameters are not whole (``shard='parameters'``).
-        """
-        param, proxy = self.info.param, self.proxy
-        if values is None:
-            proxy.array = param.array.reshape(-1)[self.lo:self.hi]
-        else:
-            proxy.array = values[self.at:self.at + self.hi - self.lo]
-        if bucket.shard_grad is not None:
-            proxy.grad = bucket.shard_grad[self.at:self.at + self.hi
-                                           - self.lo]
-        # Set by backward where the gradient reaches param (shard=
-        # 'optimizer'); otherwise the snapshot sets the step's (.rules).
-        proxy._loss_scale = param._loss_scale
-        return proxy
-
-
-class ShardedPolicy(object):
+class ShardedPolicy(updates.UpdateItems, _policy.Policy):
     """Runs the update rules on the shards; see the module docstring.
 
     Args:
-        actual (chainer.Optimizer): the wrapped optimizer.
-        wait (str): ``'forward'`` or ``'update'``.
-        reducer (BucketReducer): its engine runs the items; its statistics
-            count them.
-        timeline: the optimizer's timeline.
+        actual, wait, reducer, timeline, mpi_comm: as
+            :class:`~chainermn_overlap.optimizers._policy.Policy`.
         rank (int): this rank.
         unit (str): ``'element'`` or ``'parameter'`` (:mod:`.layout`).
         release_grads (bool): drop ``param.grad`` when an iteration closes
             (``shard='gradients'``: no full gradient is kept).
-        mpi_comm: the communicator's ``mpi_comm`` (the small allreduce of
-            a gradient norm).
         iteration (callable): the optimizer's iteration (the round key).
         control (callable): the round's control message, ``(buffer,
             handle)``, once posted (gates updates posted in backward).
         update_at (str): ``'backward'`` or ``'update'`` (module docstring).
+        in_flight: how many full gradient buffers may wait for their
+            reduce-scatter while backward goes on: ``(n, 'bytes' or
+            'buckets')`` (:meth:`throttle`, :meth:`settle`), ``'auto'``
+            (:meth:`settle` only) or None (no bound).
     """
 
+    # A round: each bucket's A and B (the reducer is built with these).
+    items_per_bucket = 2
+    transient = True
     # Whether B may be posted in backward (not with sharded parameters:
     # their versions change at update()).
     early = True
@@ -183,36 +121,26 @@ class ShardedPolicy(object):
     # 0.117] of scalability, and stage 1, also freed from the throttle, +0.196
     # [0.091, 0.268] (benchmarks/results/sharding_waits.json).
     gather_wait = 'sleep'
-    # How many full gradient buffers may wait for their reduce-scatter while
-    # backward goes on: (n, 'bytes' or 'buckets'), set by the optimizer from
-    # shard_in_flight (throttle(), settle()); 'auto': settle() only.
-    in_flight = None
 
     def __init__(self, actual, wait, reducer, timeline, rank, unit,
                  release_grads, mpi_comm, iteration, control=None,
-                 update_at='update'):
-        self.actual = actual
+                 update_at='update', in_flight=None):
+        super().__init__(actual, wait, reducer, timeline, mpi_comm)
         # A one-writer multi_node_snapshot of it is refused on every rank.
         writers.register(actual)
-        self.wait = wait
-        self.reducer = reducer
-        self.timeline = timeline
         self.rank = rank
         self.unit = unit
         self.release_grads = release_grads
-        self.mpi_comm = mpi_comm
         self.iteration = iteration
         self.control = control
         self.update_at = update_at
+        self.in_flight = in_flight
         # This iteration's snapshot once made in backward (False: not in
         # backward this iteration), and the buckets whose B is posted.
         self.snap = None
         self.posted = set()
-        self.infos = []
         self.buckets = []
         self.pieces = {}
-        self.by_bucket = {}
-        self.pending_count = 0
         self._checked = None
         # ids of the parameters the layout cuts between ranks.
         self.cut = set()
@@ -241,14 +169,12 @@ class ShardedPolicy(object):
         self.pieces = {}
         self.cut = set()
         for bucket in self.buckets:
-            bucket.bounds = shard_layout.bounds_from_counts(
-                bucket.shard_counts)
             start, stop = bucket.bounds[self.rank]
             pieces = []
             for info, (_, off, size) in zip(
                     self.by_bucket[bucket.index], bucket.plan.entries):
                 lo, hi, at = shard_layout.owned_range(off, size, start, stop)
-                pieces.append(_Piece(info, lo, hi, at))
+                pieces.append(updates.Piece(info, lo, hi, at))
                 if any(off < a < off + size for a, _ in bucket.bounds):
                     self.cut.add(id(info.param))
             self.pieces[bucket.index] = pieces
@@ -256,7 +182,7 @@ class ShardedPolicy(object):
             # Rank 0 says once which parameters it keeps whole, and why.
             self._warned_whole = rules.warn_kept_whole(self.infos,
                                                        self.buckets)
-        shards.reconcile(self)
+        self._reconcile()
         self.pending_count = 0
         self._checked = None
         # The round that builds a layout posts its updates at update().
@@ -276,12 +202,10 @@ class ShardedPolicy(object):
         whole, else None."""
         return None
 
-    def close(self):
-        """The optimizer is closed."""
-
     def before_relayout(self):
         """Gathers the states whole: the new layout cuts them anew."""
         sharding_state.consolidate(self, 'a new bucket layout')
+        self.states_sharded = False
 
     def serialize(self, actual, serializer):
         """The actual optimizer's ``serialize`` with whole states.
@@ -294,10 +218,11 @@ class ShardedPolicy(object):
         only.
         """
         if isinstance(serializer, chainer.serializer.Deserializer):
-            sharding_state.load(self, actual, serializer)
+            self.loaded_ranges = sharding_state.load(self, actual,
+                                                     serializer)
             self.states_sharded = False
             if self.buckets:
-                shards.reconcile(self)
+                self._reconcile()
         elif self.save_shards and (self.states_sharded or
                                    self.loaded_ranges is not None):
             shards.write(self, actual, serializer)
@@ -306,15 +231,22 @@ class ShardedPolicy(object):
             if self.states_sharded:
                 writers.check_every_rank_writes(self.rank)
             sharding_state.consolidate(self, 'serialize()')
+            self.states_sharded = False
             actual.serialize(serializer)
         if self.buckets:
             self.cut_states()
 
-    def wait_requests(self, requests, label, hint=''):
-        """Waits for MPI requests of a collective the main thread posted,
-        bounded as the reductions are (the optimizer's ``timeout=``)."""
-        self.reducer.engine.watchdog.wait_requests(requests, label,
-                                                   hint=hint)
+    def _reconcile(self):
+        loaded, self.loaded_ranges = self.loaded_ranges, None
+        shards.reconcile(self, loaded)
+
+    def save_slices(self, on):
+        """Whether ``serialize`` writes this rank's slices (.shards)."""
+        self.save_shards = bool(on)
+
+    def before_new_buffer(self):
+        if self.in_flight not in (None, 'auto'):
+            self.throttle()
 
     def throttle(self):
         """Before a bucket's buffer is filled: while the full buffers still
@@ -369,23 +301,6 @@ class ShardedPolicy(object):
 
     # ------------------------------------------------------------------
     # Closing an iteration
-
-    def after_post(self, bucket):
-        """A of ``bucket`` is posted (backward): post its B now if the
-        update can be known now (see the module docstring)."""
-        if self.snap is None:
-            if (self.update_at != 'backward' or not self.early
-                    or not self.states_sharded or self.control is None
-                    or self.control() is None):
-                self.snap = False
-                return
-            self._check()
-            self.cut_states()
-            snap = rules.Snapshot(self.actual, [i.param for i in self.infos],
-                                  self.release_grads)
-            self.snap = False if snap.global_pre or snap.dynamic else snap
-        if self.snap:
-            self._post_update(bucket, self.snap, self.control())
 
     def finish_iteration(self, target, immediate=()):
         """Every bucket's A is posted: post the updates (B) not yet
@@ -465,105 +380,11 @@ class ShardedPolicy(object):
         for bucket in self.buckets:
             self._wait(bucket)
 
-    def _run_pre_hooks(self, snap, immediate=()):
-        """Pre-update hooks on the main thread, once every shard is in
-        (a hook needs all gradients: GradientClipping, whose norm counts
-        the channel blocks ``immediate`` too)."""
-        for bucket in self.buckets:
-            self.reducer.wait_bucket(bucket)
-        pairs = []
-        for bucket in self.buckets:
-            for piece in self.pieces[bucket.index]:
-                shadow = snap.rules.get(id(piece.info.param))
-                if shadow is not None:
-                    pairs.append((shadow, piece.prepare(
-                        bucket, self._values(bucket))))
-        for hook in snap.pre:
-            if isinstance(hook, rules.GLOBAL_HOOKS):
-                self._clip(hook, [proxy for _, proxy in pairs], immediate)
-            else:
-                for shadow, proxy in pairs:
-                    hook(shadow, proxy)
-        snap.pre_done = True
-
-    def _clip(self, hook, proxies, immediate=()):
-        """``GradientClipping`` with the norm of the whole gradient: the
-        shards' (each element on one rank) and the channel blocks' (each
-        block on the members of its group, :mod:`.._clipping`)."""
-        from mpi4py import MPI
-        local = numpy.array([_clipping.sqnorm(p.grad for p in proxies)
-                             + _clipping.blocks_sqnorm(immediate)])
-        self.wait_requests(
-            [self.mpi_comm.Iallreduce(MPI.IN_PLACE, local, op=MPI.SUM)],
-            'the allreduce of the gradient norm for GradientClipping of '
-            'iteration {}'.format(self.iteration()))
-        grads = [p.grad for p in proxies] + [p.grad for p in immediate]
-        if not grads:
-            return
-        rate = _clipping.rate(hook.threshold, local[0], grads[0].dtype)
-        if rate is None:
-            return
-        for g in grads:
-            g *= rate
-
-    def _post_updates(self, snap, offset=0):
-        """Posts B of every bucket whose B is not posted yet."""
-        for bucket in self.buckets:
-            if bucket.index not in self.posted:
-                self._post_update(bucket, snap, None, offset)
-        self.posted = set()
-
-    def _post_update(self, bucket, snap, control, offset=0):
-        reducer = self.reducer
-        engine = reducer.engine
-        n = len(reducer.buckets)
-        first = reducer.first_item + offset
-        iteration = self.iteration()
-        prio = bucket.index if self.wait == 'forward' else -bucket.index
-        fn = self._update_fn(bucket, snap, self.gather_wait)
-        if control is not None:
-            fn = _gated(fn, self._update_fn(bucket, None, None), control,
-                        bucket, self.rank, reducer.size)
-        bucket.update_handle = engine.run(
-            fn, _EMPTY,
-            label='update and allgather of {} of iteration {}'.format(
-                bucket.label(), iteration),
-            slot=(iteration, first + n + bucket.index, reducer.round_items),
-            priority=prio - 0.5, stage=False,
-            nbytes=bucket.plan.nelems * bucket.param_dtype.itemsize)
-        self.posted.add(bucket.index)
-
-    def _update_fn(self, bucket, snap, mpi_wait):
-        pieces = self.pieces[bucket.index]
-
-        def update_and_allgather(comm, _):
-            if snap is None or snap.skipped:
-                bucket.shard_grad = None
-                for piece in pieces:
-                    piece.proxy.grad = None
-                return
-            xp = _xp(bucket)
-            out = xp.empty(bucket.plan.nelems, dtype=bucket.param_dtype)
-            start = bucket.bounds[self.rank][0]
-            for piece in pieces:
-                proxy = piece.prepare(bucket)
-                snap.update(piece.info.param, proxy)
-                a = start + piece.at
-                out[a:a + piece.hi - piece.lo] = proxy.array
-                # The reduced shard is consumed: nothing may keep it.
-                proxy.grad = None
-            bucket.shard_grad = None
-            collectives.allgather(comm, out, bucket.bounds, mpi_wait)
-            for piece, (_, off, size) in zip(pieces, bucket.plan.entries):
-                param = piece.info.param
-                param.array[...] = out[off:off + size].reshape(param.shape)
-        return update_and_allgather
-
     # ------------------------------------------------------------------
     # Waiting
 
     def _wait(self, bucket):
-        handle = getattr(bucket, 'update_handle', None)
+        handle = bucket.update_handle
         if handle is None:
             return
         self.reducer.wait_bucket(bucket)

@@ -65,12 +65,12 @@ def saving(optimizers):
     their slices (see the module docstring)."""
     policies = [p for p in map(policy_of, optimizers) if p is not None]
     for p in policies:
-        p.save_shards = True
+        p.save_slices(True)
     try:
         yield
     finally:
         for p in policies:
-            p.save_shards = False
+            p.save_slices(False)
 
 
 def _arrays():
@@ -226,7 +226,7 @@ def read_ranges(deserializer):
                            RANGES_KEY)
 
 
-def reconcile(policy):
+def reconcile(policy, loaded):
     """After a sharded snapshot was loaded, at a new layout (collective,
     no reduction in flight): keeps the slices if every rank's loaded
     ranges are the ranges the layout cuts, else makes every state whole
@@ -236,10 +236,8 @@ def reconcile(policy):
         RuntimeError: the ranks' loaded ranges do not partition a
             parameter (files of another run or rank count were loaded).
     """
-    loaded = policy.loaded_ranges
     if loaded is None:
         return
-    policy.loaded_ranges = None
     label = 'the exchange of the loaded shard ranges'
 
     def wait(requests, what=label):

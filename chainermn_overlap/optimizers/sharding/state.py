@@ -46,7 +46,8 @@ def consolidate(policy, why):
 
     Does nothing unless the states are cut for the layout in force
     (``policy.states_sharded``: the same on every rank, so every rank
-    takes part in the same collectives or none).
+    takes part in the same collectives or none); the policy then records
+    that they are whole.
 
     Args:
         policy (ShardedPolicy): the layout in force (buckets, pieces); its
@@ -98,7 +99,6 @@ def consolidate(policy, why):
             wait([comm.Iallgatherv(part, [whole, (counts, displs)])],
                  '{}: {!r} of {}'.format(label, key, param.name))
             state[key] = xp.asarray(whole).reshape(param.shape)
-    policy.states_sharded = False
 
 
 def _arrays():
@@ -180,10 +180,14 @@ def load(policy, actual, deserializer):
             sharded).
         actual: the wrapped optimizer.
         deserializer: a ``chainer.serializer.Deserializer``.
+
+    Returns:
+        The ranges of the slices loaded (None: whole states), for the
+        policy's ``loaded_ranges``.
     """
     if getattr(actual, 'target', None) is None:
         actual.serialize(deserializer)
-        return
+        return policy.loaded_ranges
     sharded = {id(piece.info.param)
                for _, piece, _, _ in _pieces_by_param(policy)}
     entries = [(name, param, param.update_rule)
@@ -219,4 +223,4 @@ def load(policy, actual, deserializer):
             rule._state = state
         rule.t = rule_t
     actual.t, actual.epoch = new_t, new_epoch
-    policy.loaded_ranges = ranges or None
+    return ranges or None
