@@ -76,6 +76,7 @@ import chainer
 import numpy
 
 from chainermn_overlap import _mpi_json
+from chainermn_overlap.communication import blocking
 from chainermn_overlap.distconv import _comm
 
 if TYPE_CHECKING:
@@ -298,30 +299,39 @@ def store_serial_params(grid: SpatialGrid, dist_model: chainer.Link,
         serial_model (chainer.Link): A single-process model of the same
             structure; lazy parameters are initialised.
     """
-    for path, dl, sl in _pairs(dist_model, serial_model):
+    # The checks are local (a model that differs on one process only): a
+    # failure is raised on every process, between the gathers.
+    what = 'distconv.store_serial_params'
+    with blocking.agreement(grid.mpi_world, 'the pairing of ' + what):
+        pairs = list(_pairs(dist_model, serial_model))
+    values = []   # (serial link, name, whole value, is a parameter)
+    for path, dl, sl in pairs:
         blocks = dl.serial_blocks() if hasattr(dl, 'serial_blocks') else {}
         g = getattr(dl, 'grid', grid)
         pnames, snames = _own_values(dl)
         for name in pnames:
             dp = getattr(dl, name)
-            sp = getattr(sl, name)
             if dp.array is None:
                 continue
             arr = _comm.to_host(dp.array)
             if name in blocks and g.channels > 1:
                 arr = _gather_block(g, arr, blocks[name])
-            if sp.array is None:
-                sp.initialize(arr.shape)
-            _check_same(path, name, sp.array.shape, arr.shape)
-            sp.array[...] = _comm.like(arr.astype(sp.array.dtype), sp.array)
+            values.append((path, sl, name, arr, True))
         for name in snames:
             dv = getattr(dl, name)
-            sv = getattr(sl, name)
             if isinstance(dv, numpy.ndarray) or hasattr(dv, 'device'):
                 arr = _comm.to_host(dv)
                 if name in blocks and g.channels > 1:
                     arr = _gather_block(g, arr, blocks[name])
-                _check_same(path, name, sv.shape, arr.shape)
-                sv[...] = _comm.like(arr.astype(sv.dtype), sv)
+                values.append((path, sl, name, arr, False))
             else:
                 setattr(sl, name, dv)
+    with blocking.agreement(grid.mpi_world, 'the checks of ' + what):
+        for path, sl, name, arr, is_param in values:
+            target = getattr(sl, name)
+            if is_param:
+                if target.array is None:
+                    target.initialize(arr.shape)
+                target = target.array
+            _check_same(path, name, target.shape, arr.shape)
+            target[...] = _comm.like(arr.astype(target.dtype), target)
