@@ -20,6 +20,7 @@ from chainermn_overlap.errors import StallWarning  # NOQA
 from chainermn_overlap.optimizers import create_double_buffering_optimizer  # NOQA
 from chainermn_overlap.optimizers import create_overlapped_optimizer  # NOQA
 from chainermn_overlap.optimizers import DEFAULT_BUCKET_SIZE  # NOQA
+from chainermn_overlap.optimizers import ShardOptions  # NOQA
 from chainermn_overlap.optimizers.sharding.rules import register_elementwise  # NOQA
 
 __version__ = '0.1.0'
@@ -31,6 +32,7 @@ __all__ = [
     'DEFAULT_BUCKET_SIZE',
     'FallbackWarning',
     'PowerSGD',
+    'ShardOptions',
     'StallWarning',
     'create_double_buffering_optimizer',
     'create_overlapped_optimizer',

@@ -1,8 +1,14 @@
 """Options and environment variables, parsed in one place.
 
 Every option of the library that is a size, a duration or a rate is parsed
-here, and every environment variable is read here, so that each spelling is
-accepted (and each mistake reported) the same way everywhere.
+here, and every environment variable is named and read here (the functions
+below; ``tests/unit/test_config.py`` fails if another module of the package
+spells or reads one), so that each spelling is accepted (and each mistake
+reported) the same way everywhere.
+
+This module imports only the standard library: the launcher's per-rank
+parent (:mod:`chainermn_overlap.launch._rank`) loads it by path, without
+the package.
 
 Environment variables.  Pass the same value to every rank (for example
 ``mpiexec -genv NAME VALUE``): settings that start collectives (the stall
@@ -69,17 +75,11 @@ tiny allreduce) and raise on every rank when they do not.
     on Python 3.12+).  Read at interpreter start-up by the top-level module
     ``_chainermn_overlap_compat``, which cannot import this package (it
     must act before Chainer is imported); the name is the same constant.
-``CHAINERMN_OVERLAP_TEST_OPTIMIZER`` (:data:`TEST_OPTIMIZER_ENV`)
-    Test suite only (:mod:`chainermn_overlap.testing.equivalence`): the
-    optimizer under test, ``overlap`` (default) or ``chainermn`` (validates
-    the harness with ChainerMN's own optimizer).
-``CHAINERMN_OVERLAP_TEST_SHARD`` (:data:`TEST_SHARD_ENV`)
-    Test suite only: the ``shard=`` the overlapped optimizer under test
-    gets (``optimizer``, ``gradients`` or ``parameters``; unset: none), so
-    that the same suites check every sharding mode.
-``CHAINERMN_OVERLAP_LOGDIR`` (:data:`TEST_LOGDIR_ENV`)
-    Test suite only: the folder ``tests/mpi_run.py`` gives its ranks for
-    their logs; set by that launcher.
+Read from others (:data:`FOREIGN_VARIABLES`): the process manager's
+``PMI_FD``, ``PMI_RANK`` and ``MPI_LOCALRANKID`` (the launcher's per-rank
+parent) and the batch schedulers' allocations (``SLURM_JOB_NODELIST`` or
+``SLURM_NODELIST`` with ``SLURM_TASKS_PER_NODE``, ``PBS_NODEFILE``,
+``LSB_MCPU_HOSTS``; :mod:`chainermn_overlap.launch`).
 
 Flags (``DEBUG``, ``ABORT_ON_EXCEPTION``) are off when unset, empty, ``0``,
 ``false``, ``no`` or ``off``, and on otherwise.
@@ -92,13 +92,15 @@ from typing import Any, Dict, Optional, Union
 __all__ = [
     'ABORT_ON_EXCEPTION_ENV', 'DEBUG_ENV', 'DEFAULT_TIMEOUT',
     'EMULATION_DEFAULTS', 'EMULATION_ENV', 'ENVIRONMENT_VARIABLES',
-    'LAUNCH_DEATHS_ENV', 'LAUNCH_ID_ENV', 'LAUNCH_KEY_ENV', 'LOCAL_RANK_ENV',
-    'NATIVE_ENV', 'NO_COMPAT_ENV',
-    'PROGRESS_FILE_ENV', 'RESTART_ENV', 'STALL_WARNING_ENV',
-    'TEST_LOGDIR_ENV', 'TEST_OPTIMIZER_ENV', 'TEST_SHARD_ENV',
-    'TIMEOUT_ENV', 'parse_delay', 'parse_duration',
-    'parse_emulation_settings', 'parse_flag', 'parse_rate', 'parse_seconds',
-    'parse_size', 'report_line', 'resolve_abort_on_exception', 'resolve_debug',
+    'FOREIGN_VARIABLES', 'LAUNCH_DEATHS_ENV', 'LAUNCH_ID_ENV',
+    'LAUNCH_KEY_ENV', 'LOCAL_RANK_ENV', 'LSF_HOSTS_ENV', 'MPI_LOCALRANKID_ENV',
+    'NATIVE_ENV', 'NO_COMPAT_ENV', 'PBS_NODEFILE_ENV', 'PMI_FD_ENV',
+    'PMI_RANK_ENV', 'PROGRESS_FILE_ENV', 'RESTART_ENV', 'SLURM_NODELIST_ENVS',
+    'SLURM_TASKS_ENV', 'STALL_WARNING_ENV', 'TIMEOUT_ENV', 'launch_deaths',
+    'launch_key', 'launcher_attempt', 'local_rank_id', 'parse_delay',
+    'parse_duration', 'parse_emulation_settings', 'parse_flag', 'parse_rate',
+    'parse_seconds', 'parse_size', 'pmi_fd', 'pmi_rank', 'progress_file',
+    'report_line', 'resolve_abort_on_exception', 'resolve_debug',
     'resolve_emulation', 'resolve_native', 'resolve_stall_warning',
     'resolve_timeout',
 ]
@@ -118,16 +120,23 @@ LAUNCH_KEY_ENV = 'CHAINERMN_OVERLAP_LAUNCH_KEY'
 LOCAL_RANK_ENV = 'CHAINERMN_OVERLAP_LOCAL_RANK'
 NATIVE_ENV = 'CHAINERMN_OVERLAP_NATIVE'
 NO_COMPAT_ENV = 'CHAINERMN_OVERLAP_NO_COMPAT'
-TEST_OPTIMIZER_ENV = 'CHAINERMN_OVERLAP_TEST_OPTIMIZER'
-TEST_LOGDIR_ENV = 'CHAINERMN_OVERLAP_LOGDIR'
-TEST_SHARD_ENV = 'CHAINERMN_OVERLAP_TEST_SHARD'
 ENVIRONMENT_VARIABLES = (
     TIMEOUT_ENV, STALL_WARNING_ENV, DEBUG_ENV, EMULATION_ENV,
     ABORT_ON_EXCEPTION_ENV, RESTART_ENV, PROGRESS_FILE_ENV,
     LAUNCH_DEATHS_ENV, LAUNCH_ID_ENV, LAUNCH_KEY_ENV, LOCAL_RANK_ENV,
-    NATIVE_ENV, NO_COMPAT_ENV,
-    TEST_OPTIMIZER_ENV,
-    TEST_LOGDIR_ENV, TEST_SHARD_ENV)
+    NATIVE_ENV, NO_COMPAT_ENV)
+
+# Set by others: MPICH's process manager (Hydra) for each rank ...
+PMI_FD_ENV = 'PMI_FD'
+PMI_RANK_ENV = 'PMI_RANK'
+MPI_LOCALRANKID_ENV = 'MPI_LOCALRANKID'
+# ... and the batch schedulers, inside a job's allocation.
+SLURM_NODELIST_ENVS = ('SLURM_JOB_NODELIST', 'SLURM_NODELIST')
+SLURM_TASKS_ENV = 'SLURM_TASKS_PER_NODE'
+PBS_NODEFILE_ENV = 'PBS_NODEFILE'
+LSF_HOSTS_ENV = 'LSB_MCPU_HOSTS'
+FOREIGN_VARIABLES = (PMI_FD_ENV, PMI_RANK_ENV, MPI_LOCALRANKID_ENV) + \
+    SLURM_NODELIST_ENVS + (SLURM_TASKS_ENV, PBS_NODEFILE_ENV, LSF_HOSTS_ENV)
 
 # Like PyTorch's NCCL watchdog: generous enough for a slow first iteration
 # or a snapshot written by one rank, short enough not to bill hours.
@@ -291,8 +300,7 @@ def parse_rate(value: Union[Number, str], what: str = 'link rate') -> float:
 def report_line(tag: str, text: str) -> str:
     """A record for the launcher: ``tag``, the attempt's key
     (:data:`LAUNCH_KEY_ENV`) in brackets, then ``text`` (one line)."""
-    key = os.environ.get(LAUNCH_KEY_ENV, '')
-    return '{}[{}] {}\n'.format(tag, key, text)
+    return '{}[{}] {}\n'.format(tag, launch_key(), text)
 
 
 def parse_flag(value: Optional[str]) -> bool:
@@ -387,3 +395,50 @@ def resolve_native() -> bool:
 def resolve_abort_on_exception() -> bool:
     """Whether importing the library installs the abort hook (the env)."""
     return parse_flag(os.environ.get(ABORT_ON_EXCEPTION_ENV))
+
+
+# ----------------------------------------------------------------------------
+# The launcher's variables (set by ``python -m chainermn_overlap.launch``)
+# and the process manager's, as its per-rank parent and the ranks read them.
+
+def launcher_attempt() -> Optional[int]:
+    """The attempt number under the restarting launcher
+    (:data:`RESTART_ENV`; empty reads 0), or None when not under it."""
+    value = os.environ.get(RESTART_ENV)
+    return None if value is None else int(value or 0)
+
+
+def progress_file() -> Optional[str]:
+    """Where ``auto_snapshot`` reports its events (:data:`PROGRESS_FILE_ENV`;
+    ``-``: tagged lines on standard output), or None."""
+    return os.environ.get(PROGRESS_FILE_ENV) or None
+
+
+def launch_deaths() -> bool:
+    """Whether the per-rank parent reports an abnormal end
+    (:data:`LAUNCH_DEATHS_ENV` set and not empty)."""
+    return bool(os.environ.get(LAUNCH_DEATHS_ENV))
+
+
+def launch_key(env: Optional[Dict[str, str]] = None) -> str:
+    """The attempt's key (:data:`LAUNCH_KEY_ENV`) in ``env`` (default: this
+    process's environment), or ''."""
+    return (os.environ if env is None else env).get(LAUNCH_KEY_ENV, '')
+
+
+def pmi_fd() -> Optional[int]:
+    """The process manager's PMI socket (:data:`PMI_FD_ENV`), or None."""
+    value = os.environ.get(PMI_FD_ENV, '')
+    return int(value) if value.isdigit() else None
+
+
+def pmi_rank() -> int:
+    """The rank the process manager gave (:data:`PMI_RANK_ENV`), or -1."""
+    return int(os.environ.get(PMI_RANK_ENV, -1))
+
+
+def local_rank_id() -> Optional[str]:
+    """The rank's number among the ranks on its host, as the process
+    manager gives it (:data:`MPI_LOCALRANKID_ENV`), or None."""
+    value = os.environ.get(MPI_LOCALRANKID_ENV, '')
+    return value if value.isdigit() else None

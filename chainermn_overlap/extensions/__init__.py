@@ -10,10 +10,8 @@ reports the optimizer's communication counters through Chainer's reporter.
 """
 from chainermn_overlap.extensions.snapshot import AutoSnapshot  # NOQA
 from chainermn_overlap.extensions.snapshot import auto_snapshot  # NOQA
-from chainermn_overlap.extensions.snapshot import PROGRESS_ENV  # NOQA
-from chainermn_overlap.extensions.snapshot import RESTART_ENV  # NOQA
 from chainermn_overlap.extensions.snapshot import SnapshotWarning  # NOQA
 from chainermn_overlap._comm_report import CommunicationReport  # NOQA
 
 __all__ = ['AutoSnapshot', 'CommunicationReport', 'SnapshotWarning',
-           'auto_snapshot', 'RESTART_ENV', 'PROGRESS_ENV']
+           'auto_snapshot']

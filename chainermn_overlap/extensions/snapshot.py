@@ -103,18 +103,15 @@ from chainermn_overlap.extensions._store import (
     write_durably)
 
 __all__ = ['AutoSnapshot', 'SnapshotWarning', 'auto_snapshot',
-           'RESTART_ENV', 'PROGRESS_ENV', 'PROGRESS_TAG']
+           'PROGRESS_TAG']
 
 logger = logging.getLogger(__name__)
 
-# Set by chainermn_overlap.launch for every rank of every attempt.
-RESTART_ENV = 'CHAINERMN_OVERLAP_RESTART'
-# Where rank 0 reports events ('resumed', 'training', 'snapshot',
-# 'stopping') for the launcher, one JSON line each: a file, or '-' for
-# standard output, as a line that starts with PROGRESS_TAG (the launcher
-# reads it from mpiexec's output on whichever host rank 0 runs, and does
-# not show it).
-PROGRESS_ENV = 'CHAINERMN_OVERLAP_PROGRESS_FILE'
+# Rank 0 reports events ('resumed', 'training', 'snapshot', 'stopping')
+# for the launcher, one JSON line each, where config.progress_file() says:
+# a file, or '-' for standard output, as a line that starts with
+# PROGRESS_TAG (the launcher reads it from mpiexec's output on whichever
+# host rank 0 runs, and does not show it).
 PROGRESS_TAG = 'chainermn_overlap.progress: '
 # Exit status of every rank after a stop at a snapshot that was asked for.
 STOP_EXIT = 75
@@ -186,14 +183,16 @@ class AutoSnapshot(extension_module.Extension):
         self.store = _store.SnapshotStore(self.directory, keep)
         self.trigger = _SnapshotTrigger(trigger_module.get_trigger(trigger))
         self.resumed_from = None    # iteration loaded in initialize, if any
-        self.restart = int(os.environ.get(RESTART_ENV, '0') or 0)
-        self._progress_path = os.environ.get(PROGRESS_ENV) or None
+        # The launcher's attempt (None: not under the launcher).
+        attempt = config.launcher_attempt()
+        self.restart = attempt or 0
+        self._progress_path = config.progress_file()
         # Under the launcher, a stop at the next snapshot may be asked for
         # with SIGUSR1: where every rank took the signal (initialize agrees;
         # a rank without the handler would die of it).
         self.stoppable = False
         self.stop_requested = False
-        self._took_signal = (RESTART_ENV in os.environ
+        self._took_signal = (attempt is not None
                              and self._take_stop_signal())
 
     # -- resume -----------------------------------------------------------
@@ -203,7 +202,7 @@ class AutoSnapshot(extension_module.Extension):
         if self.rank == 0:
             os.makedirs(self.directory, exist_ok=True)
         self._barrier('the start of the resume')
-        if RESTART_ENV in os.environ:
+        if config.launcher_attempt() is not None:
             self.stoppable = all(self.coll.allgather_json(
                 bool(self._took_signal), "every rank's handler of SIGUSR1"))
         listed = self.store.listing() if self.rank == 0 else None

@@ -21,6 +21,7 @@ import sys
 import threading
 import time
 
+from chainermn_overlap import config
 from chainermn_overlap.extensions.snapshot import PROGRESS_TAG
 from chainermn_overlap.launch import _rank
 from chainermn_overlap.launch._procs import descendants, kill_all
@@ -165,7 +166,7 @@ class AttemptRunner(object):
                + [sys.executable, os.path.abspath(_rank.__file__)]
                + self.command)
         t0 = time.monotonic()
-        output = Output(env.get(_rank.KEY_ENV))
+        output = Output(config.launch_key(env) or None)
         proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE,
                                 start_new_session=True)
@@ -204,7 +205,7 @@ class AttemptRunner(object):
         if proc.poll() is None:
             out.add(proc.pid)
         tag = None if self.tag is None else '{}={}'.format(
-            _rank.JOB_ENV, self.tag).encode()
+            config.LAUNCH_ID_ENV, self.tag).encode()
         for pid in set(descendants(os.getpid())) - out:
             if pid in self._seen or (tag is not None and tag in (
                     _rank.environ(pid) or ())):

@@ -1,7 +1,9 @@
 """The parent of one rank, and the clean-up the launcher runs on each host.
 
 Run by path on every host of a job, with this Python (it imports only the
-standard library, so that nothing but the interpreter has to be there)::
+standard library and the package's ``config.py``, loaded by path, which
+imports only the standard library too, so that nothing but the interpreter
+has to be there)::
 
     python _rank.py COMMAND...         # under mpiexec: one rank's parent
     python _rank.py --end-job JOB      # over ssh: end a job's processes
@@ -42,12 +44,19 @@ import sys
 import threading
 import time
 
-# The launcher sets these for every rank; kept in step with launcher.py.
-DEATHS_ENV = 'CHAINERMN_OVERLAP_LAUNCH_DEATHS'
-JOB_ENV = 'CHAINERMN_OVERLAP_LAUNCH_ID'
-LOCAL_RANK_ENV = 'CHAINERMN_OVERLAP_LOCAL_RANK'
-# The attempt's key, in every record (config.report_line).
-KEY_ENV = 'CHAINERMN_OVERLAP_LAUNCH_KEY'
+if __package__:
+    from chainermn_overlap import config
+else:
+    # Run by path: the package's config.py (standard library only), loaded
+    # from beside this file without importing the package.
+    import importlib.util
+    _spec = importlib.util.spec_from_file_location(
+        '_chainermn_overlap_config', os.path.join(
+            os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+            'config.py'))
+    config = importlib.util.module_from_spec(_spec)
+    _spec.loader.exec_module(config)
+
 # The tag of a death record on stderr (the launcher reads and drops it).
 DEATH_TAG = 'chainermn_overlap.launch: rank ended '
 END_FLAG = '--end-job'
@@ -63,8 +72,7 @@ class _PmiRelay(object):
     """Copies the PMI socket's bytes both ways; notes the child's first."""
 
     def __init__(self):
-        fd = os.environ.get('PMI_FD', '')
-        self.real = int(fd) if fd.isdigit() else None
+        self.real = config.pmi_fd()
         self.used = None if self.real is None else False
         self.ours = self.child_end = None
         if self.real is not None:
@@ -75,7 +83,7 @@ class _PmiRelay(object):
         """In the forked child: the relayed socket becomes ``PMI_FD``."""
         if self.real is None:
             return
-        os.environ['PMI_FD'] = str(self.child_end.fileno())
+        os.environ[config.PMI_FD_ENV] = str(self.child_end.fileno())
         os.close(self.real)
         self.ours.close()
 
@@ -117,9 +125,9 @@ def rank_main(command):
         int: the child's exit status (when it was not killed by a signal).
     """
     relay = _PmiRelay()
-    local = os.environ.get('MPI_LOCALRANKID', '')
-    if local.isdigit():
-        os.environ[LOCAL_RANK_ENV] = local
+    local = config.local_rank_id()
+    if local is not None:
+        os.environ[config.LOCAL_RANK_ENV] = local
     pid = os.fork()
     if pid == 0:
         try:
@@ -152,17 +160,16 @@ def rank_main(command):
         except InterruptedError:
             continue
     code = os.waitstatus_to_exitcode(status)
-    if code != 0 and os.environ.get(DEATHS_ENV):
-        record = {'rank': int(os.environ.get('PMI_RANK', -1)), 'pid': pid,
+    if code != 0 and config.launch_deaths():
+        record = {'rank': config.pmi_rank(), 'pid': pid,
                   'host': socket.gethostname(), 'time': time.time(),
                   'mpi': relay.used,
                   'forwarded': bool(code < 0 and -code in forwarded)}
         record['signal' if code < 0 else 'exit'] = abs(code)
         try:
             # One write: the process manager must not split the line.
-            os.write(2, '{}[{}] {}\n'.format(
-                DEATH_TAG, os.environ.get(KEY_ENV, ''),
-                json.dumps(record)).encode())
+            os.write(2, config.report_line(
+                DEATH_TAG, json.dumps(record)).encode())
         except OSError:
             pass
     if code < 0:
@@ -193,8 +200,9 @@ def end_job(job, keep=None, grace=5.0):
     Returns:
         int: how many processes were ended.
     """
-    prefix = '{}={}:'.format(JOB_ENV, job).encode()
-    spare = None if keep is None else '{}={}'.format(JOB_ENV, keep).encode()
+    prefix = '{}={}:'.format(config.LAUNCH_ID_ENV, job).encode()
+    spare = (None if keep is None
+             else '{}={}'.format(config.LAUNCH_ID_ENV, keep).encode())
     me = os.getpid()
     victims = set()
     for name in os.listdir('/proc'):

@@ -17,6 +17,7 @@ host name or address is refused, with where it came from.
 import os
 import re
 
+from chainermn_overlap import config
 from chainermn_overlap.launch._hosts import parse_hosts
 
 SOURCES = ('slurm', 'pbs', 'lsf')
@@ -108,20 +109,21 @@ def expand_counts(text, hosts):
 
 
 def _slurm(env):
-    nodes = env.get('SLURM_JOB_NODELIST', env.get('SLURM_NODELIST'))
+    job_nodes, nodes = config.SLURM_NODELIST_ENVS
+    nodes = env.get(job_nodes, env.get(nodes))
     if not nodes:
         return None
     names = expand_nodelist(nodes)
-    tasks = env.get('SLURM_TASKS_PER_NODE')
+    tasks = env.get(config.SLURM_TASKS_ENV)
     counts = (expand_counts(tasks, len(names)) if tasks
               else [1] * len(names))
     return parse_hosts('\n'.join('{}:{}'.format(n, c)
                                  for n, c in zip(names, counts)),
-                       'SLURM_JOB_NODELIST')
+                       job_nodes)
 
 
 def _pbs(env):
-    path = env.get('PBS_NODEFILE')
+    path = env.get(config.PBS_NODEFILE_ENV)
     if not path:
         return None
     try:
@@ -140,7 +142,7 @@ def _pbs(env):
 
 
 def _lsf(env):
-    text = env.get('LSB_MCPU_HOSTS')
+    text = env.get(config.LSF_HOSTS_ENV)
     if not text:
         return None
     words = text.split()
@@ -149,12 +151,12 @@ def _lsf(env):
                          '...".'.format(text))
     return parse_hosts('\n'.join('{}:{}'.format(h, n) for h, n in
                                  zip(words[::2], words[1::2])),
-                       'LSB_MCPU_HOSTS')
+                       config.LSF_HOSTS_ENV)
 
 
 _READERS = {'slurm': _slurm, 'pbs': _pbs, 'lsf': _lsf}
-_VARIABLES = {'slurm': 'SLURM_JOB_NODELIST', 'pbs': 'PBS_NODEFILE',
-              'lsf': 'LSB_MCPU_HOSTS'}
+_VARIABLES = {'slurm': config.SLURM_NODELIST_ENVS[0],
+              'pbs': config.PBS_NODEFILE_ENV, 'lsf': config.LSF_HOSTS_ENV}
 
 
 def hosts_from(source, env=None):

@@ -17,8 +17,8 @@ import threading
 import time
 import uuid
 
+from chainermn_overlap import config
 from chainermn_overlap.launch import _hosts
-from chainermn_overlap.launch import _rank
 from chainermn_overlap.launch._attempt import AttemptRunner
 from chainermn_overlap.launch._elastic import HostPolicy
 from chainermn_overlap.launch._procs import become_subreaper
@@ -28,10 +28,6 @@ from chainermn_overlap.launch._sessions import Sessions
 __all__ = ['Launcher']
 
 logger = logging.getLogger('chainermn_overlap.launch')
-
-RESTART_ENV = 'CHAINERMN_OVERLAP_RESTART'
-PROGRESS_ENV = 'CHAINERMN_OVERLAP_PROGRESS_FILE'
-ABORT_ENV = 'CHAINERMN_OVERLAP_ABORT_ON_EXCEPTION'
 
 
 class Launcher(object):
@@ -216,19 +212,19 @@ class Launcher(object):
 
     def _run_attempt(self, attempt, allocation):
         env = dict(os.environ)
-        env[RESTART_ENV] = str(attempt)
+        env[config.RESTART_ENV] = str(attempt)
         # Events and death records come back in the output ('-'), from
         # whichever host they are written on.
-        env[PROGRESS_ENV] = '-'
-        env[_rank.DEATHS_ENV] = '-'
+        env[config.PROGRESS_FILE_ENV] = '-'
+        env[config.LAUNCH_DEATHS_ENV] = '-'
         # Records carry this attempt's key: a line the program prints with
         # the same tag is shown as its own, never read as a record.
-        env[_rank.KEY_ENV] = secrets.token_hex(16)
-        env.setdefault(ABORT_ENV, '1')
-        env.pop(_rank.JOB_ENV, None)
+        env[config.LAUNCH_KEY_ENV] = secrets.token_hex(16)
+        env.setdefault(config.ABORT_ON_EXCEPTION_ENV, '1')
+        env.pop(config.LAUNCH_ID_ENV, None)
         # For the ranks only: mpiexec must not carry it (see _rank.end_job).
         tag = '{}:{}'.format(self.job_id, attempt)
-        args = ['-genv', _rank.JOB_ENV, tag] + self.mpiexec_args
+        args = ['-genv', config.LAUNCH_ID_ENV, tag] + self.mpiexec_args
         if allocation is None:
             return self._runner.run(attempt, self.policy.local_size(),
                                     args, env, tag=tag)

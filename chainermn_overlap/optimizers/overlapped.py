@@ -44,12 +44,14 @@ from chainermn_overlap.optimizers._layout import SKIP
 from chainermn_overlap.optimizers._layout import UNCHANGED
 from chainermn_overlap.optimizers.sharding import options as sharding_options
 from chainermn_overlap.optimizers.sharding import writers
+from chainermn_overlap.optimizers.sharding.options import ShardOptions
 
 
 __all__ = ['DEFAULT_BUCKET_SIZE', 'SUPPORTS_REDUCTION_GROUPS',
            'create_overlapped_optimizer']
 
 DEFAULT_BUCKET_SIZE = 16 * 1024 * 1024
+_SHARD_DEFAULTS = sharding_options.DEFAULTS
 
 class _OverlapState(_modes.Wiring):
     """The optimizer's parts and the wiring between them.
@@ -387,11 +389,11 @@ def create_overlapped_optimizer(
         stall_warning: Union[float, str, None] = None,
         debug: Optional[bool] = None,
         compression: Optional[PowerSGD] = None,
-        shard: Optional[str] = None,
-        shard_unit: str = 'auto',
-        shard_update: str = 'update',
-        shard_in_flight: Union[int, str, None] = 'auto',
-        shard_prefetch: Union[int, str, None] = 'auto'
+        shard: Union[None, str, ShardOptions] = None,
+        shard_unit: str = _SHARD_DEFAULTS['unit'],
+        shard_update: str = _SHARD_DEFAULTS['update'],
+        shard_in_flight: Union[int, str, None] = _SHARD_DEFAULTS['in_flight'],
+        shard_prefetch: Union[int, str, None] = _SHARD_DEFAULTS['prefetch']
 ) -> '_OverlappedOptimizer':
     """Creates a multi-node optimizer that overlaps reduction with compute.
 
@@ -458,8 +460,8 @@ def create_overlapped_optimizer(
             ``chainermn_overlap.PowerSGD(rank=4, warmup_iterations=100)``
             (default: none, results exactly ChainerMN's).  Its state is
             part of the optimizer's snapshot.
-        shard (str): keep on each rank only its share of what every rank
-            otherwise holds in full (ZeRO): ``'optimizer'`` (the update
+        shard (str or ShardOptions): keep on each rank only its share of
+            what every rank otherwise holds in full (ZeRO): ``'optimizer'`` (the update
             rules' state: each rank updates its piece of every bucket,
             after a reduce-scatter, and the updated parameters are
             allgathered), ``'gradients'`` (also no full gradient is kept:
@@ -469,7 +471,11 @@ def create_overlapped_optimizer(
             or ``None`` (default).  The same bytes travel as without it
             (``'parameters'``: plus the gathers).  Parameters reduced
             within a group (distconv's channel blocks) are not sharded.
-            Not with ``compression`` or ``backend='nccl'``.
+            Not with ``compression`` or ``backend='nccl'``.  A
+            :class:`~chainermn_overlap.ShardOptions` gives the mode and the
+            options below in one object (``ShardOptions('parameters',
+            prefetch='64MB')``); then give none of the ``shard_*``
+            keywords.
         shard_unit (str): how buckets are cut between ranks:
             ``'auto'`` (default; even pieces, a parameter may be split,
             except one whose update rule or rule hooks are not known to be
@@ -517,6 +523,7 @@ def create_overlapped_optimizer(
     shard_opts = sharding_options.resolve(
         shard, shard_unit, shard_update, shard_in_flight, shard_prefetch,
         compression, backend)
+    shard = shard_opts.mode
     bucket_size = _wrapper.resolve_bucket_size(
         bucket_size, shard, allreduce_grad_dtype, compression, chunk_size,
         DEFAULT_BUCKET_SIZE)

@@ -5,11 +5,13 @@ ChainerMN's blocking ``create_multi_node_optimizer`` (the reference) and once
 with the implementation under test -- and compares the parameters afterwards.
 Everything here is collective: call it on every rank in the same order.
 
-The implementation under test is chosen by the environment variable
-``CHAINERMN_OVERLAP_TEST_OPTIMIZER``:
+The implementation under test is chosen by the test harness with
+:func:`configure` (the project's ``tests/conftest.py`` takes it from its
+test-only environment variables):
 
-- ``overlap`` (default): ``chainermn_overlap.create_overlapped_optimizer``;
-- ``chainermn``: ChainerMN's own optimizer plugged in place of ours, which
+- ``'overlap'`` (default): ``chainermn_overlap.create_overlapped_optimizer``,
+  with the ``shard=`` given to :func:`configure` unless a test gives one;
+- ``'chainermn'``: ChainerMN's own optimizer plugged in place of ours, which
   validates the harness itself (every equivalence must then hold trivially,
   and the checks that only our optimizer satisfies are inverted or skipped).
 
@@ -24,7 +26,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import os
 import warnings
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
@@ -34,23 +35,22 @@ import chainer
 import chainermn
 
 from chainermn_overlap import _mpi_json
-from chainermn_overlap import config
 from chainermn_overlap.communication import blocking
 from chainermn_overlap.testing import models
 
 __all__ = [
-    'ENV_VAR', 'REFERENCE', 'SHARD_ENV_VAR', 'MLP', 'ChainerMNImpl', 'OverlappedImpl', 'Run',
+    'REFERENCE', 'MLP', 'ChainerMNImpl', 'OverlappedImpl', 'Run',
     'all_ranks_ok', 'assert_all_ranks', 'assert_different',
     'assert_equivalent', 'assert_same_value', 'compare_states',
-    'cross_rank_errors', 'get_communicator', 'global_rng',
+    'configure', 'cross_rank_errors', 'get_communicator', 'global_rng',
     'implementation_under_test', 'shard_mode', 'make_batches', 'param_state', 'rank_slice',
     'seed_for_rank', 'train', 'train_both',
 ]
 
-ENV_VAR = 'CHAINERMN_OVERLAP_TEST_OPTIMIZER'
-#: ``shard=`` given to the overlapped optimizer by default (the same suites
-#: then check every sharding mode against ChainerMN).
-SHARD_ENV_VAR = config.TEST_SHARD_ENV
+# What the suites test (configure()): the implementation, and the shard=
+# the overlapped optimizer gets by default (the same suites then check every
+# sharding mode against ChainerMN).
+_UNDER_TEST = {'optimizer': 'overlap', 'shard': None}
 
 #: ``{name: array or None}``, as :func:`param_state` returns.
 State = Dict[str, Optional[np.ndarray]]
@@ -112,9 +112,9 @@ class OverlappedImpl(object):
         if not hasattr(chainermn_overlap, 'create_overlapped_optimizer'):
             raise RuntimeError(
                 'chainermn_overlap.create_overlapped_optimizer does not exist '
-                '(yet). Set %s=chainermn to run these tests against '
-                "ChainerMN's optimizer, which validates the harness."
-                % ENV_VAR)
+                "(yet). configure(optimizer='chainermn') runs these tests "
+                "against ChainerMN's optimizer, which validates the "
+                'harness.')
         self._module = chainermn_overlap
 
     @property
@@ -123,7 +123,7 @@ class OverlappedImpl(object):
 
     def create(self, actual: chainer.Optimizer, comm: Any,
                wait: str = 'forward', **options: Any) -> Any:
-        shard = os.environ.get(SHARD_ENV_VAR)
+        shard = _UNDER_TEST['shard']
         if shard:
             options.setdefault('shard', shard)
         return self._module.create_overlapped_optimizer(
@@ -139,20 +139,32 @@ class OverlappedImpl(object):
 REFERENCE = ChainerMNImpl()
 
 
+def configure(optimizer: str = 'overlap',
+              shard: Optional[str] = None) -> None:
+    """Sets what the suites test.
+
+    Args:
+        optimizer (str): ``'overlap'`` (ours) or ``'chainermn'``
+            (ChainerMN's, to validate the harness).
+        shard (str): the ``shard=`` the overlapped optimizer gets unless a
+            test gives one (None or empty: none).
+    """
+    if optimizer not in ('overlap', 'chainermn'):
+        raise ValueError('the optimizer under test must be "overlap" or '
+                         '"chainermn", not %r' % (optimizer,))
+    _UNDER_TEST.update(optimizer=optimizer, shard=shard or None)
+
+
 def shard_mode() -> Optional[str]:
     """The ``shard=`` the overlapped optimizer gets by default (or None)."""
-    return os.environ.get(SHARD_ENV_VAR) or None
+    return _UNDER_TEST['shard']
 
 
 def implementation_under_test() -> Impl:
-    """The adapter selected by ``CHAINERMN_OVERLAP_TEST_OPTIMIZER``."""
-    which = os.environ.get(ENV_VAR, 'overlap')
-    if which == 'chainermn':
+    """The adapter :func:`configure` selected."""
+    if _UNDER_TEST['optimizer'] == 'chainermn':
         return ChainerMNImpl()
-    if which == 'overlap':
-        return OverlappedImpl()
-    raise ValueError('%s must be "overlap" or "chainermn", not %r'
-                     % (ENV_VAR, which))
+    return OverlappedImpl()
 
 
 # ---------------------------------------------------------------------------

@@ -17,7 +17,10 @@ for sub in ('mpi', os.path.join('mpi', 'distconv'), 'unit'):
     if path not in sys.path:
         sys.path.insert(0, path)
 
+import _suite_env  # NOQA: E402
 from chainermn_overlap.testing import equivalence as eq  # NOQA: E402
+
+_suite_env.configure()
 
 
 @pytest.fixture(scope='session')

@@ -8,7 +8,11 @@ requests fixtures in test order, which is the same on every rank.
 """
 import pytest
 
+import _suite_env
 from chainermn_overlap.testing import equivalence as eq
+
+# What the suites test, from the suite's own environment variables.
+_suite_env.configure()
 
 
 @pytest.fixture(scope='session')
@@ -19,5 +23,6 @@ def comm():
 
 @pytest.fixture(scope='module')
 def impl():
-    """The optimizer adapter chosen by ``CHAINERMN_OVERLAP_TEST_OPTIMIZER``."""
+    """The optimizer adapter chosen by ``CHAINERMN_OVERLAP_TEST_OPTIMIZER``
+    (:mod:`_suite_env`)."""
     return eq.implementation_under_test()

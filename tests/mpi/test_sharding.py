@@ -402,6 +402,27 @@ def test_shard_in_flight_defaults(comm, monkeypatch):
                                                            bounded))
 
 
+def test_shard_options_in_one_object(comm, monkeypatch):
+    # shard=ShardOptions(...) is the shard_* keywords at work: its bound
+    # holds, against the same object without it (the control).
+    opts = chainermn_overlap.ShardOptions
+    _, free, _ = _held_while_filling(comm, opts('parameters'), monkeypatch)
+    _, bounded, _ = _held_while_filling(
+        comm, opts('parameters', in_flight=1024), monkeypatch)
+    # Both spellings at once: refused on every rank, before any collective.
+    try:
+        chainermn_overlap.create_overlapped_optimizer(
+            _adam(), comm, shard=opts('parameters'), shard_prefetch=0)
+        refused = ''
+    except ValueError as e:
+        refused = str(e)
+    _same_everywhere(comm, free >= 3 and bounded < 2
+                     and 'shard_prefetch=0' in refused,
+                     'most buckets waiting: {} (default), {} (in_flight='
+                     '1024); both spellings: {!r}'.format(free, bounded,
+                                                          refused))
+
+
 # ---------------------------------------------------------------------------
 # Whole parameters fetched ahead and kept (shard_prefetch).
 

@@ -3,6 +3,7 @@
 Every parser is tested with good input and with each kind of bad input; an
 error must name the option and say what to give instead.
 """
+import ast
 import os
 import re
 
@@ -308,13 +309,93 @@ def test_every_environment_variable_is_defined_and_documented():
         # Documented: in the module docstring with its constant.
         assert '``{}``'.format(name) in config.__doc__, name
     constants = {getattr(config, c) for c in config.__all__
-                 if c.endswith('_ENV')}
-    assert constants == names
+                 if c.endswith('_ENV') or c.endswith('_ENVS')}
+    foreign = set(config.FOREIGN_VARIABLES)
+    assert not foreign & names
+    for name in foreign:
+        # Others' variables (process manager, batch schedulers): documented.
+        assert '``{}``'.format(name) in config.__doc__, name
+    assert {n for c in constants
+            for n in (c if isinstance(c, tuple) else (c,))} == names | foreign
     # The library spells no variable that config does not define.
     spelled = set()
     for _, text in _library_sources():
         spelled.update(re.findall(r'CHAINERMN_OVERLAP_[A-Z_]*[A-Z]', text))
     assert spelled <= names, spelled - names
+
+
+def _dotted(node):
+    """``'os.environ.get'`` for that attribute chain, else None."""
+    parts = []
+    while isinstance(node, ast.Attribute):
+        parts.append(node.attr)
+        node = node.value
+    if isinstance(node, ast.Name):
+        return '.'.join([node.id] + parts[::-1])
+    return None
+
+
+def _environment_uses(source):
+    """``(line, what)`` of each place ``source`` reads the environment or
+    spells a variable's name (docstrings aside)."""
+    tree = ast.parse(source)
+    names = set(config.ENVIRONMENT_VARIABLES) | set(config.FOREIGN_VARIABLES)
+    docstrings = set()
+    for node in ast.walk(tree):
+        body = getattr(node, 'body', None)
+        if (isinstance(body, list) and body and isinstance(body[0], ast.Expr)
+                and isinstance(body[0].value, ast.Constant)):
+            docstrings.add(id(body[0].value))
+    out = []
+    for node in ast.walk(tree):
+        if (isinstance(node, ast.Call)
+                and _dotted(node.func) in ('os.getenv', 'os.environ.get')):
+            out.append((node.lineno, _dotted(node.func)))
+        elif (isinstance(node, ast.Subscript)
+                and _dotted(node.value) == 'os.environ'
+                and isinstance(node.ctx, ast.Load)):
+            out.append((node.lineno, 'os.environ[...]'))
+        elif (isinstance(node, ast.Compare)
+                and any(_dotted(c) == 'os.environ'
+                        for c in node.comparators)):
+            out.append((node.lineno, '... in os.environ'))
+        elif (isinstance(node, ast.Constant) and isinstance(node.value, str)
+                and id(node) not in docstrings
+                and (node.value in names or re.fullmatch(
+                    r'CHAINERMN_OVERLAP_[A-Z0-9_]+', node.value))):
+            out.append((node.lineno, repr(node.value)))
+    return sorted(out)
+
+
+def test_the_environment_check_sees_reads_and_names():
+    # The check below finds what it looks for (and no docstring).
+    source = (
+        '"""Reads CHAINERMN_OVERLAP_TIMEOUT."""\n'
+        'import os\n'
+        "A = os.environ.get('CHAINERMN_OVERLAP_TIMEOUT')\n"
+        "B = os.getenv('HOME')\n"
+        "C = os.environ['PMI_RANK']\n"
+        "D = 'CHAINERMN_OVERLAP_NEW' in os.environ\n"
+        "os.environ[config.PMI_FD_ENV] = '3'\n"
+        'E = dict(os.environ)\n')
+    assert _environment_uses(source) == [
+        (3, "'CHAINERMN_OVERLAP_TIMEOUT'"), (3, 'os.environ.get'),
+        (4, 'os.getenv'), (5, "'PMI_RANK'"), (5, 'os.environ[...]'),
+        (6, "'CHAINERMN_OVERLAP_NEW'"), (6, '... in os.environ')]
+
+
+def test_the_environment_is_named_and_read_in_config_only():
+    # Anywhere else, a variable is read through config's functions and
+    # named by config's constants (writing one for a child process, or
+    # copying the whole environment, is fine).
+    found = {}
+    for path, text in _library_sources():
+        if os.path.samefile(path, config.__file__):
+            continue
+        uses = _environment_uses(text)
+        if uses:
+            found[os.path.relpath(path, PACKAGE)] = uses
+    assert found == {}
 
 
 def test_public_names_are_listed():

@@ -73,14 +73,29 @@ def test_hostfile_errors(tmp_path):
         _hosts.read_hostfile(str(empty))
 
 
-def test_the_rank_parent_spells_the_variables_of_config():
-    # _rank.py imports only the standard library, so it keeps its own
-    # copies of the names.
+def test_the_rank_parent_run_by_path_reads_config_without_the_package():
+    # _rank.py runs by path on hosts that may lack Chainer: it loads the
+    # package's config.py (standard library only) beside it, and nothing
+    # of the package itself.
+    import json
+    import subprocess
+    import sys
     from chainermn_overlap import config
     from chainermn_overlap.launch import _rank
-    assert _rank.JOB_ENV == config.LAUNCH_ID_ENV
-    assert _rank.DEATHS_ENV == config.LAUNCH_DEATHS_ENV
-    assert _rank.LOCAL_RANK_ENV == config.LOCAL_RANK_ENV
+    script = (
+        'import json, runpy, sys\n'
+        'g = runpy.run_path({!r}, run_name="not_main")\n'
+        'print(json.dumps([g["config"].LAUNCH_ID_ENV, sorted(\n'
+        '    m for m in sys.modules\n'
+        '    if m.split(".")[0] in ("chainermn_overlap", "chainer",\n'
+        '                           "numpy", "mpi4py"))]))\n'
+    ).format(_rank.__file__)
+    out = subprocess.run([sys.executable, '-c', script], capture_output=True,
+                         text=True, timeout=60, cwd='/')
+    assert out.returncode == 0, out.stderr
+    name, imported = json.loads(out.stdout)
+    assert name == config.LAUNCH_ID_ENV
+    assert imported == []
 
 
 def test_allocate_fills_hosts_in_order():

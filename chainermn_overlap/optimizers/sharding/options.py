@@ -1,28 +1,142 @@
-"""The sharding arguments of ``create_overlapped_optimizer``, checked."""
+"""The sharding options of ``create_overlapped_optimizer``, checked.
+
+Given either as one :class:`ShardOptions` (``shard=ShardOptions(
+'parameters', prefetch='64MB')``) or as a mode string with the ``shard_*``
+keywords (``shard='parameters', shard_prefetch='64MB'``), not both;
+:func:`resolve` turns either into the :class:`ShardSettings` the
+optimizer's parts read.
+"""
 import collections
+from typing import Any, Optional, Union
 
 from chainermn_overlap import config
 
-__all__ = ['AUTO_IN_FLIGHT_FRACTION', 'SHARD_MODES', 'ShardOptions', 'check',
-           'in_flight_limit', 'prefetch_budget', 'resolve']
+__all__ = ['AUTO_IN_FLIGHT_FRACTION', 'DEFAULTS', 'SHARD_MODES',
+           'ShardOptions', 'ShardSettings', 'check', 'in_flight_limit',
+           'prefetch_budget', 'resolve']
 
 SHARD_MODES = (None, 'optimizer', 'gradients', 'parameters')
+
+
+class _Default(object):
+    """A ``shard_*`` keyword left at its default: shows as the value (in
+    signatures and docs) and tells "not given" from "given the default"."""
+
+    __slots__ = ('value',)
+
+    def __init__(self, value):
+        self.value = value
+
+    def __repr__(self):
+        return repr(self.value)
+
+
+#: The ``shard_*`` keywords' defaults (``create_overlapped_optimizer``'s
+#: signature), by :class:`ShardOptions` field.
+DEFAULTS = {'unit': _Default('auto'), 'update': _Default('update'),
+            'in_flight': _Default('auto'), 'prefetch': _Default('auto')}
+
+
+class ShardOptions(object):
+    """Every sharding option of the overlapped optimizer, in one object.
+
+    ``create_overlapped_optimizer(actual, comm, shard=ShardOptions(
+    'parameters', prefetch='64MB'))`` is ``create_overlapped_optimizer(
+    actual, comm, shard='parameters', shard_prefetch='64MB')``; see
+    :func:`~chainermn_overlap.create_overlapped_optimizer` for what each
+    option does.  A bad value or combination raises ``ValueError`` here.
+
+    Args:
+        mode (str): ``'optimizer'``, ``'gradients'`` or ``'parameters'``
+            (``shard=``).
+        unit (str): how buckets are cut between ranks (``shard_unit=``):
+            ``'auto'``, ``'element'`` or ``'parameter'``.
+        update (str): when a shard is updated and gathered
+            (``shard_update=``): ``'update'`` or ``'backward'``.
+        in_flight (int or str): bound on the full gradient buckets waiting
+            for their reduce-scatter (``shard_in_flight=``): bytes,
+            ``'auto'`` or None.
+        prefetch (int or str): bytes of whole parameters fetched ahead
+            (``shard_prefetch=``), ``'auto'`` or None.
+    """
+
+    __slots__ = ('mode', 'unit', 'update', 'in_flight', 'prefetch')
+
+    def __init__(self, mode: str, unit: str = 'auto', update: str = 'update',
+                 in_flight: Union[None, int, str] = 'auto',
+                 prefetch: Union[None, int, str] = 'auto') -> None:
+        if mode is None:
+            raise ValueError(
+                "ShardOptions needs a mode: 'optimizer', 'gradients' or "
+                "'parameters' (for no sharding give shard=None)")
+        _checked(mode, unit, update, in_flight, prefetch, None, None)
+        self.mode = mode
+        self.unit = unit
+        self.update = update
+        self.in_flight = in_flight
+        self.prefetch = prefetch
+
+    def __repr__(self):
+        return 'ShardOptions({})'.format(', '.join(
+            '{}={!r}'.format(n, getattr(self, n)) for n in self.__slots__))
+
+    def __eq__(self, other):
+        return (isinstance(other, ShardOptions) and all(
+            getattr(self, n) == getattr(other, n) for n in self.__slots__))
+
+    def __hash__(self):
+        return hash(tuple(getattr(self, n) for n in self.__slots__))
+
 
 # What the optimizer's wiring reads: the mode (None: no sharding), how
 # buckets are cut, when a shard is updated, the bound on gradients waiting
 # for their reduce-scatter (in_flight_limit) and the prefetch budget of
 # shard='parameters' (prefetch_budget).
-ShardOptions = collections.namedtuple(
-    'ShardOptions', ['mode', 'unit', 'update', 'in_flight', 'prefetch'])
+ShardSettings = collections.namedtuple(
+    'ShardSettings', ['mode', 'unit', 'update', 'in_flight', 'prefetch'])
 
 
-def resolve(shard, shard_unit, shard_update, shard_in_flight,
-            shard_prefetch, compression, backend):
-    """Checks the arguments; returns their :class:`ShardOptions`."""
+def resolve(shard: Union[None, str, ShardOptions], shard_unit: Any,
+            shard_update: Any, shard_in_flight: Any, shard_prefetch: Any,
+            compression: Any, backend: Optional[str]) -> ShardSettings:
+    """Checks ``create_overlapped_optimizer``'s sharding arguments; returns
+    their :class:`ShardSettings`.
+
+    ``shard`` is a mode (or None) with the ``shard_*`` keywords, each one
+    left at its default (:data:`DEFAULTS`) or given; or a
+    :class:`ShardOptions`, with none of them given.
+    """
+    given = {'shard_unit': shard_unit, 'shard_update': shard_update,
+             'shard_in_flight': shard_in_flight,
+             'shard_prefetch': shard_prefetch}
+    given = {k: v for k, v in given.items() if not isinstance(v, _Default)}
+    if isinstance(shard, ShardOptions):
+        if given:
+            raise ValueError(
+                'shard={!r} and {} were both given: the ShardOptions holds '
+                'every sharding option; give it {} (or a mode string with '
+                'the shard_* keywords instead)'.format(
+                    shard, ', '.join('{}={!r}'.format(k, v)
+                                     for k, v in sorted(given.items())),
+                    ', '.join('{}=...'.format(k[len('shard_'):])
+                              for k in sorted(given))))
+        opts = shard
+        args = (opts.mode, opts.unit, opts.update, opts.in_flight,
+                opts.prefetch)
+    else:
+        args = (shard,) + tuple(
+            v.value if isinstance(v, _Default) else v
+            for v in (shard_unit, shard_update, shard_in_flight,
+                      shard_prefetch))
+    return _checked(*args, compression, backend)
+
+
+def _checked(shard, shard_unit, shard_update, shard_in_flight,
+             shard_prefetch, compression, backend):
     check(shard, shard_unit, shard_update, compression, backend)
-    return ShardOptions(shard, shard_unit, shard_update,
-                        in_flight_limit(shard, shard_in_flight),
-                        prefetch_budget(shard, shard_prefetch))
+    return ShardSettings(shard, shard_unit, shard_update,
+                         in_flight_limit(shard, shard_in_flight),
+                         prefetch_budget(shard, shard_prefetch))
 
 
 def check(shard, shard_unit, shard_update, compression, backend):
