@@ -29,15 +29,19 @@ def _model():
     return L.Classifier(MLP(5, 7, 3))
 
 
-@pytest.mark.parametrize('shard', ['optimizer', 'gradients', 'parameters'])
-def test_reads_after_synchronize_are_exact(shard):
+@pytest.mark.parametrize('shard, wait', [
+    ('optimizer', 'forward'), ('gradients', 'forward'),
+    ('parameters', 'forward'),
+    # update() waits for everything: no synchronize() needed.
+    ('optimizer', 'update'), ('gradients', 'update')])
+def test_reads_after_synchronize_are_exact(shard, wait):
     comm = chainermn.create_communicator('naive')
     ref, ours = _model(), _model()
     ref_opt = chainermn.create_multi_node_optimizer(
         chainer.optimizers.Adam(alpha=0.01), comm).setup(ref)
     opt = chainermn_overlap.create_overlapped_optimizer(
         chainer.optimizers.Adam(alpha=0.01), comm, shard=shard,
-        wait='forward', bucket_size=256, timeout=20).setup(ours)
+        wait=wait, bucket_size=256, timeout=20).setup(ours)
     rng = np.random.RandomState(comm.rank)
     for step in range(3):
         x = rng.randn(4, 5).astype(np.float32)
@@ -49,7 +53,8 @@ def test_reads_after_synchronize_are_exact(shard):
             # synchronize() a parameter holds no value (the first update(),
             # which builds the layout, leaves them whole).
             assert all(is_placeholder(p.array) for p in ours.params())
-        opt.synchronize()
+        if wait == 'forward':
+            opt.synchronize()
         expected = dict(ref.namedparams())
         for name, p in ours.namedparams():
             assert not is_placeholder(p.array), name
