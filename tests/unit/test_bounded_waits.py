@@ -4,9 +4,9 @@ Each test runs ``mpiexec -n 2 tests/unit/bounded_job.py SCENARIO`` with a
 3 s watchdog limit and checks that the fault was produced (rank 1's line),
 that every rank that can raise raised the error naming the operation, and
 that the job ended within the limit plus 10 s of the fault.  The close()
-path is test_faults.test_close_is_bounded_when_a_peer_never_joins; the
-snapshot's waits are tests/mpi/test_reliability's multi-node snapshot
-timeout tests.
+path is test_faults.test_close_is_bounded_when_a_peer_never_joins; a rank
+stuck while a snapshot is written is
+test_restart.test_a_rank_stuck_while_a_snapshot_is_written.
 """
 import os
 import re
