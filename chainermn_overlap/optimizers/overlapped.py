@@ -17,9 +17,12 @@ wiring of four parts, each in its own module::
     hooks (hooks/taps.py) --events--> GradientTracker (_tracker.py)
         gradient final --> BucketReducer (_reducer.py: pack, post in order,
           wait, mean via a BucketOperation) --> engine (communication/)
-        next forward / update() --> UpdatePolicy (_policy.py)
+        next forward / update() --> Policy (_policy.py; sharded: sharding/)
     LayoutManager (_layout.py): bucket layout, model checks, broadcast,
         the per-iteration control message (skip / relayout)
+
+The options choose a mode (_modes.py), which builds the tracker, reducer
+and policy whole; this module only calls them.
 """
 import contextlib
 import time
