@@ -49,10 +49,12 @@ def _mpi():
 
 def caller(depth: int = 2) -> str:
     """``file:line in function`` of the frames that called into this
-    module (outside it and the helpers that only pass calls on:
-    ``_mpi_json`` and ``distconv/_comm``), innermost first."""
+    module (outside it and the helpers that only pass calls on or wait:
+    ``requests``, ``_mpi_json`` and ``distconv/_comm``), innermost
+    first."""
     frame = sys._getframe(1)
     skip = (os.path.abspath(__file__),
+            os.path.join(_HERE, 'requests.py'),
             os.path.join(_PACKAGE, '_mpi_json.py'),
             os.path.join(_PACKAGE, 'distconv', '_comm.py'))
     out = []
@@ -81,7 +83,12 @@ def _world_rank():
 
 
 def _label(what, where):
-    return '{} (called from {})'.format(what, where or caller(3))
+    # Made only when a message needs it (a timeout, a stall warning): the
+    # caller is then found on the stack, which still holds it.
+    def label():
+        text = what() if callable(what) else what
+        return '{} (called from {})'.format(text, where or caller())
+    return label
 
 
 def wait(requests: Sequence[Any], what: str, timeout: Any = None, *,
@@ -91,7 +98,8 @@ def wait(requests: Sequence[Any], what: str, timeout: Any = None, *,
 
     Args:
         requests: mpi4py requests (a list, or one).
-        what (str): the operation, in messages.
+        what (str or callable): the operation, in messages (a callable
+            gives it when a message needs it).
         timeout: seconds (None: the environment's limit; 0: none).
         poll (bool): test without sleeping (a wait for bytes, where a sleep
             would add latency); else sleep between tests.
@@ -120,8 +128,6 @@ def wait_any(requests: Sequence[Any], what: str, timeout: Any = None, *,
     i, done = MPI.Request.Testany(requests)
     if done:
         return i
-    if callable(what):
-        what = what()
     box = []
 
     def test():
@@ -136,7 +142,7 @@ def wait_any(requests: Sequence[Any], what: str, timeout: Any = None, *,
 
 
 def _post_and_wait(post, what, timeout, where, poll=False):
-    wait([post()], what, timeout, poll=poll, where=where or caller(3))
+    wait([post()], what, timeout, poll=poll, where=where)
 
 
 def bcast(comm: Any, buf: Any, root: int = 0, what: str = 'a broadcast',

@@ -11,6 +11,7 @@ then hang: an exit handler calls MPI_Abort instead while one is
 (:func:`abandoned`).  :meth:`.watchdog.Watchdog.wait_requests` applies an
 optimizer's limit and marks its engine stuck.
 """
+import os
 import time
 import warnings
 from typing import Any, Callable, Optional, Sequence
@@ -95,7 +96,9 @@ def wait_until(test: Callable[[], bool], label: str, rank: Any,
                pending: Sequence[Any] = (),
                max_sleep: Optional[float] = None) -> None:
     """:func:`wait_requests` for any ``test()`` of MPI requests
-    (``pending``: those given up on at a timeout)."""
+    (``pending``: those given up on at a timeout).  ``label`` may be a
+    callable that gives the text when a message needs it."""
+    text = label if callable(label) else (lambda: label)
     timeout = timeout or None
     max_sleep = progress.MAX_SLEEP if max_sleep is None else max_sleep
     t0 = time.monotonic()
@@ -104,21 +107,28 @@ def wait_until(test: Callable[[], bool], label: str, rank: Any,
     while not test():
         waited = time.monotonic() - t0
         if timeout is not None and waited >= timeout:
-            _ABANDONED.append((label, list(pending)))
+            name = text()
+            _ABANDONED.append((name, list(pending)))
             _patches.at_exit(_abort_if_abandoned, order=2)
             if on_timeout is not None:
                 on_timeout()
             raise CommunicationTimeout(_requests_timeout_message(
-                rank, label, waited, detail() if detail else '', hint))
+                rank, name, waited, detail() if detail else '', hint))
         if next_warning is not None and waited >= next_warning:
             warnings.warn('rank {}: has waited {} for {}.{}'.format(
-                rank, _fmt_s(waited), label,
+                rank, _fmt_s(waited), text(),
                 ' ' + detail() if detail else ''), StallWarning,
                 stacklevel=3)
             next_warning += stall_warning
         if delay:
             time.sleep(delay)
             delay = min(2 * delay, max_sleep)
+        else:
+            # A wait for bytes polls, as MPI's blocking calls do, but gives
+            # the core to a runnable process or thread between polls (MPICH
+            # yields after a number of polls too): a peer sharing the core
+            # may be the one that sends.
+            os.sched_yield()
 
 
 def _requests_timeout_message(rank, label, waited, detail, hint):

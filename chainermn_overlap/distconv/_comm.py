@@ -120,10 +120,9 @@ class PendingExchange(object):
                 'its group'.format(number, peers))
 
     def _wait(self, requests):
-        # Bounded; the label is made only when the messages are not there.
-        if not MPI.Request.Testall(requests):
-            blocking.wait(requests, self.label, poll=True,
-                          hint=MISMATCH_HINT)
+        # Bounded; the label is made only for a message.
+        blocking.wait(requests, lambda: self.label, poll=True,
+                      hint=MISMATCH_HINT)
 
     def arrivals(self):
         """Yields each received array as soon as its message has arrived.

@@ -177,13 +177,13 @@ class _Messages(object):
             MPI.Request.Testall(reqs)
 
     def received(self, peer):
-        blocking.wait([self.recv_req.pop(peer)], self.label(), poll=True,
+        blocking.wait([self.recv_req.pop(peer)], self.label, poll=True,
                       hint=_comm.MISMATCH_HINT)
         return _comm.like(self.recv_buf.pop(peer), self.template)
 
     def close(self):
         if self.send_req:
-            blocking.wait(self.send_req, self.label(), poll=True,
+            blocking.wait(self.send_req, self.label, poll=True,
                           hint=_comm.MISMATCH_HINT)
         self.send_req, self.send_buf = [], []
 
