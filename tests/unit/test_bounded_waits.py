@@ -11,6 +11,7 @@ test_restart.test_a_rank_stuck_while_a_snapshot_is_written.
 import os
 import re
 import sys
+import time
 
 import pytest
 
@@ -112,6 +113,26 @@ def test_grid_arguments_of_one_rank_raise_on_every_rank(scenario, own,
     assert mine and mine[0] == 'ValueError' and own in mine[1], out
     assert theirs and theirs[0] == 'ValueError' and others in theirs[1], out
     assert code == 0 and elapsed < BOUND, (elapsed, out)
+
+
+def test_a_split_that_does_not_return_ends_the_job(monkeypatch):
+    # MPI has no non-blocking split: after the bounded meeting it runs
+    # under a timer that ends the job.  Here the split is a sleep longer
+    # than the limit, and MPI_Abort a recorder.
+    from chainermn_overlap import abort
+    from chainermn_overlap.communication import blocking
+    ended = []
+    monkeypatch.setattr(abort, 'abort_job', ended.append)
+    assert blocking._guarded(lambda: time.sleep(0.5) or 'made', 'a split',
+                             0.1, 'here') == 'made'
+    assert ended == ['timed out after 0.1 s in a split (called from here), '
+                     'which cannot be interrupted: another rank left after '
+                     'the ranks met for it'], ended
+    del ended[:]
+    assert blocking._guarded(lambda: 'made', 'a split', 0.1, 'here') == \
+        'made'
+    time.sleep(0.3)
+    assert not ended   # returned in time: the timer ended quietly
 
 
 if __name__ == '__main__':
