@@ -207,19 +207,16 @@ class Engine(object):
         from mpi4py import MPI
         self._in_place = MPI.IN_PLACE
         self._ops = {'sum': MPI.SUM, 'max': MPI.MAX, 'min': MPI.MIN}
-        # Validated before any collective, so that a bad value fails alike
-        # on every rank without leaving a duplicated communicator behind.
+        # Validated first: a bad value fails alike on every rank, no Dup left.
         _resolve(timeout, stall_warning, debug)
         self.rank = mpi_comm.Get_rank()
         self.size = mpi_comm.Get_size()
         self.comm = (blocking.dup(mpi_comm, "the engine's communicator",
                                   timeout) if comm is None else comm)
-        # Progress counters, read by the stall inspector's thread.
-        self.posted = 0
+        self.posted = 0   # progress counters (see "Thread ownership")
         self.completed = 0
         self.last_posted: Optional[str] = None
-        # Set (to a description) when a wait timed out: the thread may then
-        # be stuck in a collective, and MPI cannot be finalized.
+        # What timed out: the thread may be stuck, MPI cannot be finalized.
         self.stuck: Optional[str] = None
         self.inspector = None
         self.watchdog = None
