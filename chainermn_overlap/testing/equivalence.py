@@ -6,8 +6,8 @@ with the implementation under test -- and compares the parameters afterwards.
 Everything here is collective: call it on every rank in the same order.
 
 The implementation under test is chosen by the test harness with
-:func:`configure` (the project's ``tests/conftest.py`` takes it from its
-test-only environment variables):
+:func:`configure` (the project's MPI suites take it from their own
+environment variables, ``tests/mpi/_suite_env.py``):
 
 - ``'overlap'`` (default): ``chainermn_overlap.create_overlapped_optimizer``,
   with the ``shard=`` given to :func:`configure` unless a test gives one;
