@@ -175,8 +175,9 @@ def group_normalization(grid: SpatialGrid, x: Input, groups: int,
         raise ValueError(
             '%s: the global spatial domain is empty; group statistics are '
             'undefined.' % layer)
-    if grid.spatial_size == 1:
-        # Whole samples: Chainer's own function is the serial one.
+    if grid.spatial_size == 1 and x.shape[0]:
+        # Whole samples: Chainer's own function is the serial one (which
+        # cannot take an empty batch, a sample group without samples).
         return F.group_normalization(x, int(groups), gamma, beta, eps)
     return DistributedGroupNormalization(grid, int(groups), eps,
                                          count).apply((x, gamma, beta))[0]

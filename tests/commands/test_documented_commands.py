@@ -30,6 +30,8 @@ from tests.documented import ROOT, run_as_user
 DEFAULT_TIMEOUT = 300
 # Printed by every ImageNet run: the figure make demo exists to show.
 THROUGHPUT = r'throughput: +[\d.]+ images/s'
+# The U-Net example's verdict on its first steps against one process.
+UNET_EQUAL = r'check: equal to one process after \d+ steps'
 
 
 class Run(collections.namedtuple('Run', 'append timeout expect data')):
@@ -79,6 +81,21 @@ EXAMPLE_COMMANDS = {
         '.venv/bin/mpiexec -n 4 .venv/bin/python '
         'examples/spatial/train_cosmoflow3d.py --insize 128 --grid 1,2,2':
             Run(append='--insize 32 --iterations 2'),
+    },
+    'examples/spatial/train_unet3d_spatial.py': {
+        '.venv/bin/mpiexec -n 1 .venv/bin/python '
+        'examples/spatial/train_unet3d_spatial.py --check':
+            Run(expect=UNET_EQUAL),
+        '.venv/bin/mpiexec -n 2 .venv/bin/python '
+        'examples/spatial/train_unet3d_spatial.py --check':
+            Run(expect=UNET_EQUAL),
+        '.venv/bin/mpiexec -n 4 .venv/bin/python '
+        'examples/spatial/train_unet3d_spatial.py --check --grid 1,2,2':
+            Run(expect=UNET_EQUAL),
+        '.venv/bin/mpiexec -n 4 .venv/bin/python '
+        'examples/spatial/train_unet3d_spatial.py --insize 160 --width 16 '
+        '--grid 1,2,2 --iterations 3':
+            Run(append='--insize 24 --width 4 --iterations 1'),
     },
     'examples/spatial/train_resnet50_channels.py': {
         '.venv/bin/mpiexec -n 2 .venv/bin/python '
