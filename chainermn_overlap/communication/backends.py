@@ -65,6 +65,3 @@ class MpiThreadBackend(Engine):
             buf, op, handle = item
             self._reduce(buf, op, handle)
             self._complete(handle)
-
-
-register_backend(MpiThreadBackend.name, MpiThreadBackend)

@@ -199,8 +199,7 @@ class _ModelledComm(object):
 def _default_base():
     # The engine the overlapped optimizer uses by default, so that an
     # emulation measures the same scheduling as a real run.
-    return ('mpi_priority' if 'mpi_priority' in engine_module._BACKENDS
-            else 'mpi_thread')
+    return 'mpi_priority'
 
 
 def emulated_backend(mpi_comm: Any, *, timeout: Any = None,
@@ -263,8 +262,6 @@ def emulated_backend(mpi_comm: Any, *, timeout: Any = None,
     engine.emulation = dict(link.describe(), base=base)
     return engine
 
-
-engine_module.register_backend('emulated', emulated_backend)
 
 
 _DEFAULT_LATENCY = config.EMULATION_DEFAULTS['latency']

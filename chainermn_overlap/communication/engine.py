@@ -30,6 +30,8 @@ thread.
 
 Engines are looked up by name in a small registry (:func:`get_backend`),
 the way communication hooks or array backends are registered elsewhere.
+The built-in ones are found through a table and imported at their first
+look-up: importing the package registers nothing.
 
 Thread ownership
 ----------------
@@ -72,6 +74,7 @@ With ``debug=True`` the main thread's writes are checked: packing a
 gradient into a bucket whose collective is still in flight raises
 :class:`.ownership.OwnershipError` (:func:`.ownership.check_main_write`).
 """
+import importlib
 import threading
 import time
 import warnings
@@ -90,10 +93,18 @@ from chainermn_overlap.communication.handle import Handle
 from chainermn_overlap.errors import CommunicationError
 from chainermn_overlap.errors import StallWarning
 
-__all__ = ['Engine', 'Handle', 'check_thread_multiple', 'get_backend',
-           'register_backend']
+__all__ = ['Engine', 'Handle', 'backend_names', 'check_thread_multiple',
+           'get_backend', 'register_backend']
 
 _BACKENDS: Dict[str, Callable[..., Any]] = {}
+# The built-in engines: name -> (module, attribute), imported when first
+# looked up.  register_backend() under the same name replaces one.
+_BUILTIN = {
+    'mpi_thread': ('backends', 'MpiThreadBackend'),
+    'mpi_priority': ('scheduler', 'PriorityMpiBackend'),
+    'emulated': ('emulated', 'emulated_backend'),
+    'nccl': ('nccl', 'NcclEngine'),
+}
 DEFAULT_MPI_WAIT = 'poll'
 
 _LIVE = weakref.WeakSet()
@@ -112,11 +123,20 @@ def register_backend(name: str, factory: Callable[..., Any]) -> None:
 
 def get_backend(name: str) -> Callable[..., Any]:
     """Returns the engine class (or factory) registered as ``name``."""
-    try:
-        return _BACKENDS[name]
-    except KeyError:
+    factory = _BACKENDS.get(name)
+    if factory is None and name in _BUILTIN:
+        module, attribute = _BUILTIN[name]
+        factory = getattr(importlib.import_module(
+            'chainermn_overlap.communication.' + module), attribute)
+    if factory is None:
         raise ValueError('unknown communication backend {!r}; available: {}'
-                         .format(name, ', '.join(sorted(_BACKENDS)))) from None
+                         .format(name, ', '.join(backend_names())))
+    return factory
+
+
+def backend_names() -> list:
+    """The names :func:`get_backend` knows, sorted."""
+    return sorted(set(_BACKENDS) | set(_BUILTIN))
 
 
 def _close_all():

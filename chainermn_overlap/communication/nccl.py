@@ -51,7 +51,6 @@ import chainer
 from chainermn_overlap._host import to_host
 from chainermn_overlap.communication import engine as engine_module
 from chainermn_overlap.communication import streams as streams_module
-from chainermn_overlap.communication.engine import register_backend
 from chainermn_overlap.communication.scheduler import DEFAULT_CHUNK_BYTES
 from chainermn_overlap.communication.scheduler import PriorityMpiBackend
 from chainermn_overlap.errors import CommunicationError
@@ -431,5 +430,3 @@ def _copy_back(device_array, host):
     device_array[...] = chainer.backend.get_array_module(
         device_array).asarray(host)
 
-
-register_backend(NcclEngine.name, NcclEngine)

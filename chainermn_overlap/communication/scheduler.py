@@ -33,7 +33,6 @@ import numpy
 
 from chainermn_overlap.communication.engine import Engine
 from chainermn_overlap.communication.engine import Handle
-from chainermn_overlap.communication.engine import register_backend
 
 __all__ = ['DEFAULT_CHUNK_BYTES', 'PriorityMpiBackend', 'choose']
 
@@ -210,5 +209,3 @@ class PriorityMpiBackend(Engine):
             h.spans.append((t0, time.perf_counter()))
         item.offset = b if ok else item.nelems
 
-
-register_backend(PriorityMpiBackend.name, PriorityMpiBackend)

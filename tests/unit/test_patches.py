@@ -58,6 +58,9 @@ _IMPORT_SCRIPT = textwrap.dedent('''
     import chainermn_overlap.launch, chainermn_overlap.testing
     from chainermn_overlap import _patches
     after_import = changes(before, state())
+    from chainermn_overlap.communication import engine
+    registered = sorted(engine._BACKENDS)
+    found = engine.get_backend('mpi_thread').__name__
     uncovered = [str(o) for o, _ in _patches.targets()
                  if not any(o is x for x in OWNERS)]
 
@@ -74,6 +77,7 @@ _IMPORT_SCRIPT = textwrap.dedent('''
     _patches.release('multi_node_snapshot', user)
     after_release = changes(before, state())
     print(json.dumps({'after_import': after_import, 'uncovered': uncovered,
+                      'registered': registered, 'found': found,
                       'targets': len(_patches.targets()),
                       'while_used': while_used,
                       'after_release': after_release}))
@@ -83,6 +87,9 @@ _IMPORT_SCRIPT = textwrap.dedent('''
 def test_import_changes_nothing_global():
     got = _run(_IMPORT_SCRIPT)
     assert got['after_import'] == []
+    # No engine registered by the import; built-in ones found by name.
+    assert got['registered'] == []
+    assert got['found'] == 'MpiThreadBackend'
     # Every owner of a patched attribute was compared.
     assert got['uncovered'] == []
     # The comparison sees the patches: every target, the function hook and
