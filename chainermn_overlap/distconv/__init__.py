@@ -152,9 +152,20 @@ Tuning (:func:`tuner.tune`):
     and is the same on every process. Candidates whose grid does not
     divide the process count are recorded as ``'invalid'``.
 
+Encoder-decoder models:
+    :func:`deconvolution_nd` (links :class:`Deconvolution2D`,
+    :class:`DeconvolutionND`) for any kernel, stride, pad, ``outsize``,
+    dilation and groups, :func:`unpooling_nd`, :func:`resize_images` and
+    :func:`group_normalization` (:class:`GroupNormalization`, statistics
+    over the global volume) compute this process's block exactly;
+    :func:`concat` joins skip connections and raises on every process
+    where the global sizes (hence the blocks) differ.
+
 Not supported:
-    Deconvolution, ``return_indices`` of max pooling, BN over other axes,
-    double backpropagation through batch normalisation, and spatially
+    ``return_indices`` of max pooling, BN over other axes, the
+    interior-first overlap for transposed convolution, unpooling and
+    resizing (they use the blocking exchange), double backpropagation
+    through batch or group normalisation, and spatially
     splitting a layer with a grid of another dimensionality; grouped
     convolutions with ``split='filter'``/``'channel'``; inside
     :class:`Tiled`, the overlapped (interior-first) exchange (a tile's one
