@@ -133,15 +133,7 @@ def transposed_apply(grid: SpatialGrid, x: chainer.Variable, layer: str,
         tuple(layout.spatial_shape), tuple(out_shape), grid.shape,
         tuple(ksize), tuple(stride), tuple(pad), tuple(dilate),
         grid.spatial_rank)
-    if any_halo:
-        grid.stats['exchange_blocking'] += 1
-        x_in = exchange.region_exchange(grid, x, plan, 0)
-    else:
-        grid.stats['exchange_none'] += 1
-        own0 = [iv[0] for iv in plan.own]
-        sel = geometry.box_slices(in_box, own0) if not geometry.box_is_empty(
-            in_box) else tuple(slice(0, 0) for _ in in_box)
-        x_in = exchange.crop(x, (Ellipsis,) + sel)
+    x_in = fetch_box(grid, x, plan, any_halo)
     shape = (x.shape[0], out_channels) + geometry.box_shape(out_box)
     if numpy.prod(shape) == 0 or geometry.box_is_empty(in_box):
         y = exchange.ZeroBlock(shape).apply((x_in,) + tuple(params))[0]
@@ -149,6 +141,23 @@ def transposed_apply(grid: SpatialGrid, x: chainer.Variable, layer: str,
     src = tuple(geometry.deconv_local_output(iv, k, s, p, d)
                 for iv, k, s, p, d in zip(in_box, ksize, stride, pad, dilate))
     return Reframe(src, out_box).apply((op(x_in),))[0]
+
+
+def fetch_box(grid: SpatialGrid, x: chainer.Variable,
+              plan: geometry.ExchangePlan, any_halo: bool
+              ) -> chainer.Variable:
+    """The needed box ``plan.ext`` (clipped, no padding) of ``x``: through
+    the region exchange if any process needs another's cells, else a crop
+    of the block (one node either way, chosen the same everywhere)."""
+    if any_halo:
+        grid.stats['exchange_blocking'] += 1
+        return exchange.region_exchange(grid, x, plan, 0)
+    grid.stats['exchange_none'] += 1
+    box = plan.ext
+    sel = geometry.box_slices(box, [iv[0] for iv in plan.own]) \
+        if not geometry.box_is_empty(box) else tuple(slice(0, 0)
+                                                     for _ in box)
+    return exchange.crop(x, (Ellipsis,) + sel)
 
 
 def deconvolution_nd(grid: SpatialGrid, x: Input, W: Input,

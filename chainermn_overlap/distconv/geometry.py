@@ -31,7 +31,8 @@ __all__ = [
     'deconv_input_interval', 'deconv_local_output', 'deconv_output_size',
     'deconv_plan', 'dilated_ksize', 'exchange_plan', 'grid_coords',
     'grid_rank', 'grid_size', 'input_interval',
-    'interior_interval', 'intersect', 'interval_size', 'output_size',
+    'interior_interval', 'intersect', 'interval_size', 'needed_plan',
+    'output_size',
     'overlap_plan', 'split_box', 'split_interior', 'window_input_box',
     'window_plan',
 ]
@@ -474,6 +475,23 @@ def deconv_local_output(in_iv: Interval, ksize: int, stride: int, pad: int,
                                                                 dilate)
 
 
+def needed_plan(in_shape: Shape, grid_shape: Shape, needed: Sequence[Box],
+                spatial_rank: int) -> Tuple[ExchangePlan, bool]:
+    """:func:`exchange_plan` of clipped needed boxes, and ``any_halo``.
+
+    Returns:
+        tuple: ``(plan, any_halo)``; ``any_halo`` is True if some process
+        needs cells it does not own (the same on every process).
+    """
+    plan = exchange_plan(in_shape, grid_shape, needed, spatial_rank)
+    for r in range(grid_size(grid_shape)):
+        own = block_box(in_shape, grid_shape, grid_coords(grid_shape, r))
+        if not box_is_empty(needed[r]) and (
+                intersect(needed[r], own) != tuple(needed[r])):
+            return plan, True
+    return plan, False
+
+
 @functools.lru_cache(maxsize=1024)
 def deconv_plan(in_shape: Shape, out_shape: Shape, grid_shape: Shape,
                 ksize: Shape, stride: Shape, pad: Shape, dilate: Shape,
@@ -488,12 +506,10 @@ def deconv_plan(in_shape: Shape, out_shape: Shape, grid_shape: Shape,
         tuple: ``(plan, out_box, in_box, any_halo)``: the
         :class:`ExchangePlan` (``plan.ext`` is ``in_box``), this process's
         output box, the input box it reads (empty if no input cell reaches
-        its block) and ``any_halo``, True if some process of the grid
-        needs cells it does not own (the same on every process).
+        its block) and ``any_halo`` (see :func:`needed_plan`).
     """
-    nprocs = grid_size(grid_shape)
     needed, out_boxes = [], []
-    for r in range(nprocs):
+    for r in range(grid_size(grid_shape)):
         ob = block_box(out_shape, grid_shape, grid_coords(grid_shape, r))
         ib = tuple(deconv_input_interval(o, n, k, s, p, d)
                    for o, n, k, s, p, d
@@ -502,12 +518,5 @@ def deconv_plan(in_shape: Shape, out_shape: Shape, grid_shape: Shape,
             ib = tuple((0, 0) for _ in ib)
         out_boxes.append(ob)
         needed.append(ib)
-    plan = exchange_plan(in_shape, grid_shape, needed, spatial_rank)
-    any_halo = False
-    for r in range(nprocs):
-        own = block_box(in_shape, grid_shape, grid_coords(grid_shape, r))
-        if not box_is_empty(needed[r]) and (
-                intersect(needed[r], own) != needed[r]):
-            any_halo = True
-            break
+    plan, any_halo = needed_plan(in_shape, grid_shape, needed, spatial_rank)
     return plan, out_boxes[spatial_rank], needed[spatial_rank], any_halo

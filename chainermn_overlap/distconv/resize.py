@@ -26,6 +26,7 @@ from chainer import function_node
 import chainer.functions as F
 import numpy
 
+from chainermn_overlap.distconv import deconvolution
 from chainermn_overlap.distconv import exchange
 from chainermn_overlap.distconv import functions as conv_functions
 from chainermn_overlap.distconv import geometry
@@ -87,15 +88,8 @@ def _resize_plan(in_shape, out_shape, grid_shape, mode, align_corners,
         needed.append(tuple(
             (int(i0[lo:hi].min()), int(i1[lo:hi].max()) + 1)
             for (i0, i1, _), (lo, hi) in zip(idx, ob)))
-    plan = geometry.exchange_plan(in_shape, grid_shape, needed, spatial_rank)
-    any_halo = False
-    for r in range(nprocs):
-        own = geometry.block_box(in_shape, grid_shape,
-                                 geometry.grid_coords(grid_shape, r))
-        if not geometry.box_is_empty(needed[r]) and (
-                geometry.intersect(needed[r], own) != needed[r]):
-            any_halo = True
-            break
+    plan, any_halo = geometry.needed_plan(in_shape, grid_shape, needed,
+                                          spatial_rank)
     out_box = geometry.block_box(out_shape, grid_shape,
                                  geometry.grid_coords(grid_shape,
                                                       spatial_rank))
@@ -215,15 +209,8 @@ def resize_images(grid: SpatialGrid, x: Input, output_shape: Sequence[int],
     if grid.spatial_size == 1:
         grid.stats['exchange_none'] += 1
         x_in = x
-    elif any_halo:
-        grid.stats['exchange_blocking'] += 1
-        x_in = exchange.region_exchange(grid, x, plan, 0)
     else:
-        grid.stats['exchange_none'] += 1
-        own0 = [iv[0] for iv in plan.own]
-        sel = geometry.box_slices(in_box, own0) if not geometry.box_is_empty(
-            in_box) else (slice(0, 0), slice(0, 0))
-        x_in = exchange.crop(x, (Ellipsis,) + sel)
+        x_in = deconvolution.fetch_box(grid, x, plan, any_halo)
     shape = x.shape[:2] + geometry.box_shape(out_box)
     if numpy.prod(shape) == 0:
         return exchange.ZeroBlock(shape).apply((x_in,))[0]
