@@ -94,6 +94,9 @@ class LayoutManager(object):
         # The optimizer's watchdog options: their timeout bounds the
         # relayout's collectives (None: the environment's limit).
         self.watch_options = {}
+        # The options that decide which collectives run
+        # (_wrapper.collective_options), compared between ranks.
+        self.options = {}
 
     @property
     def timeout(self):
@@ -216,7 +219,8 @@ class LayoutManager(object):
         gathered = _mpi_json.allgather_json(
             comm, {'params': mine, 'loaded': bool(self.loaded),
                    'changes_step': self.changes_step(target),
-                   'order': observed, 'grouped': grouped, 'whole': whole},
+                   'order': observed, 'grouped': grouped, 'whole': whole,
+                   'options': self.options},
             what='the model description of a relayout',
             timeout=self.timeout)
         replicated = [(n, p) for n, p in named if groups[n] is None]
@@ -224,6 +228,7 @@ class LayoutManager(object):
         # here) is raised on every rank before the broadcasts.
         with blocking.agreement(comm, 'the checks of a relayout',
                                 self.timeout):
+            self._check_same_options(gathered)
             self._check_same_model(named, gathered, set(grouped))
             self._check_groups(gathered, grouped, named)
             self._initialise(replicated, gathered)
@@ -355,6 +360,21 @@ class LayoutManager(object):
                     'not initialised on rank {}: give its link the input '
                     'size, or run one forward before the first update.'
                     .format(n, self.rank))
+
+    def _check_same_options(self, gathered):
+        first = gathered[0]['options']
+        differ = sorted(k for k in set().union(*(g['options']
+                                                  for g in gathered))
+                        if any(g['options'].get(k) != first.get(k)
+                               for g in gathered))
+        if differ:
+            raise ValueError(
+                'the optimizer\'s options differ between ranks ({}) (seen on '
+                'rank {}); they decide which collectives run: give every '
+                'rank the same create_overlapped_optimizer(...) arguments.'
+                .format('; '.join('rank {}: {}'.format(r, ', '.join(
+                    '{}={!r}'.format(k, g['options'].get(k)) for k in differ))
+                    for r, g in enumerate(gathered)), self.rank))
 
     def _check_same_model(self, named, gathered, grouped=()):
         names0 = sorted(gathered[0]['params'])

@@ -195,6 +195,27 @@ def default_engine(target, mpi_comm):
                                 len(set(buses)) < len(buses))
 
 
+def collective_options(**options):
+    """The options that decide which collectives an optimizer runs, as
+    JSON, compared between ranks when a layout is built
+    (:class:`._layout.LayoutManager`): an object by its class and its plain
+    settings, never by ``repr`` (which may hold an address)."""
+    def plain(value):
+        if value is None or isinstance(value, (str, bool, int, float)):
+            return value
+        if isinstance(value, dict):
+            return {k: plain(v) for k, v in sorted(value.items())}
+        if isinstance(value, numpy.dtype):
+            return str(value)
+        if isinstance(value, type):
+            return value.__qualname__
+        settings = {k: v for k, v in sorted(vars(value).items())
+                    if not k.startswith('_') and (
+                        v is None or isinstance(v, (str, bool, int, float)))}
+        return [type(value).__qualname__, settings]
+    return {k: plain(v) for k, v in options.items()}
+
+
 def make_engine(name, mpi_comm, options, watch_options):
     """Starts the progress engine ``name`` with its watchdog options."""
     return backends.get_backend(name)(mpi_comm, **dict(options,

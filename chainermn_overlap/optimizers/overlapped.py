@@ -550,6 +550,10 @@ def create_overlapped_optimizer(
                           backend_options, tl, compression,
                           shard_opts if shard is not None else None)
     state.watch_options = state.layout.watch_options = watch_options
+    state.layout.options = _wrapper.collective_options(
+        wait=wait, allreduce_grad_dtype=allreduce_grad_dtype,
+        compression=compression, backend=backend, chunks=backend_options,
+        shard=shard, shard_update=shard_opts.update if shard else None)
     if tl is not None:
         tl.write_at_exit()
     return _OverlappedOptimizer(state)

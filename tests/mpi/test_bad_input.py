@@ -93,6 +93,32 @@ def test_names_differ_between_ranks(comm):
     assert _all_raised(comm, True)
 
 
+@pytest.mark.parametrize('option, values', [
+    ('allreduce_grad_dtype', (None, np.float16)),
+    ('wait', ('update', 'forward')),
+    ('backend', ('mpi_thread', 'mpi_priority')),
+])
+def test_options_differ_between_ranks(comm, option, values):
+    # The options decide which collectives run (a float16 ring against an
+    # allreduce, chunks against whole buckets): the last rank gives
+    # another value, and every rank raises at the first update.
+    if comm.size == 1:
+        pytest.skip('needs two ranks to differ')
+    mine = values[comm.rank == comm.size - 1]
+    opt = chainermn_overlap.create_overlapped_optimizer(
+        chainer.optimizers.SGD(), comm, timeout=20,
+        **{option: mine}).setup(_Net(2))
+    with pytest.raises(ValueError) as e:
+        try:
+            opt.update(opt.target, np.ones((2, 3), dtype=np.float32))
+        finally:
+            opt.close()
+    msg = str(e.value)
+    assert "optimizer's options differ between ranks" in msg, msg
+    assert 'rank {}: {}='.format(comm.size - 1, option) in msg, msg
+    assert _all_raised(comm, True)
+
+
 def test_same_model_is_accepted(comm):
     # Negative control for the two tests above: no error when ranks agree.
     _one_step(comm, _Net(2))
