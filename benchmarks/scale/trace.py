@@ -5,14 +5,21 @@ writes with ``timeline=PATH`` (:mod:`chainermn_overlap.communication.
 timeline`) into the replay format of :mod:`benchmarks.scale.replay`
 (``format: chainermn_overlap-replay-trace/1``, described field by field in
 docs/performance.md, "Beyond two ranks").  Everything in it is measured on
-the rank whose timeline is read, in one steady iteration (by default the
-last complete one):
+the rank whose timeline is read, in one iteration (by default the one of
+median length among the complete ones after the first):
 
-* per layer, in forward order: ``forward_s`` (its forward span),
+* per layer, in forward order: ``forward_s`` (its forward span less its
+  deferred update, which the recorder's span includes),
   ``backward_s`` (from the previous layer's gradients being final, or the
   end of forward for the last layer, to this layer's last gradient being
   final: its backward and the loss's for the last layer), ``update_s`` (its
-  deferred update span with ``wait='forward'``), ``param_bytes``;
+  deferred update span with ``wait='forward'``, less the wait for its
+  bucket inside it: the replay waits by itself), ``param_bytes``;
+  ``forward_s`` runs to the next layer's start (the functions between
+  links count with the layer before them), and the trace's ``update_s`` is
+  the rest of the iteration (the ``update()`` call, the loss's forward,
+  what runs between iterations), so that the compute adds up to the
+  recorded iteration less its waits (``waits_s``);
 * per bucket: ``bytes``, ``final_at_s`` (its post, after the iteration's
   start), ``final_after`` (the layer after whose backward it was posted),
   ``waited_by`` (the layers whose forward waits for it), and the chunks
@@ -70,7 +77,7 @@ def iteration_windows(events):
     return list(zip(ends[:-1], ends[1:]))
 
 
-def from_timeline(timeline, param_bytes, wait='forward', iteration=-1,
+def from_timeline(timeline, param_bytes, wait='forward', iteration='median',
                   chunk_bytes=4 << 20, meta=None):
     """The replay trace of one iteration of ``timeline`` (a path or the
     loaded JSON).
@@ -78,13 +85,20 @@ def from_timeline(timeline, param_bytes, wait='forward', iteration=-1,
     Args:
         param_bytes (dict): link name -> byte counts (:func:`param_bytes_of`).
         wait (str): the optimizer's ``wait`` of the recorded run.
-        iteration (int): which complete iteration (index into the windows
-            between ``update()`` calls; -1: the last).
+        iteration (int or str): which complete iteration (index into the
+            windows between ``update()`` calls), or ``'median'``: the one
+            of median length (the upper one of an even count) among all
+            but the first, whose forward had no deferred updates.
         chunk_bytes (int): the engine's chunk size in the recorded run.
         meta (dict): copied into the trace (model, link, ranks, ...).
     """
     events = _events(timeline)
     windows = iteration_windows(events)
+    if iteration == 'median':
+        # Not the first: its forward had no deferred updates to apply.
+        steady = list(range(1, len(windows))) or [0]
+        iteration = sorted(steady, key=lambda w: (
+            windows[w][1] - windows[w][0]))[len(steady) // 2]
     t0, t1 = windows[iteration]
     inside = [e for e in events if e['ph'] == 'X' and e.get('tid') == 0
               and t0 <= e['ts'] < t1] + [
@@ -96,15 +110,30 @@ def from_timeline(timeline, param_bytes, wait='forward', iteration=-1,
                          'with timeline= on the overlapped optimizer'
                          .format(iteration))
     order = [e['name'][len('forward '):] for e in fwd]
+    # A forward span starts before the layer's deferred update (which
+    # starts with the wait for its bucket): both are taken out of it, and
+    # the waits out of the update, so that the replay's own waits replace
+    # the recorded ones.
+    upd_spans = [e for e in inside if e.get('cat') == 'update'
+                 and e['name'].startswith('update /')]
+    waits = [e for e in inside if e.get('cat') == 'wait']
+    lone_waits = [w for w in waits
+                  if not any(_inside(w, u) for u in upd_spans)]
     forward_s = {}
-    for e, name in zip(fwd, order):
-        forward_s[name] = forward_s.get(name, 0.0) + e['dur'] * 1e-6
+    for j, (e, name) in enumerate(zip(fwd, order)):
+        # Until the next layer starts: the functions between links (ReLU,
+        # pooling, additions) belong to the layer before them.
+        until = fwd[j + 1]['ts'] if j + 1 < len(fwd) else e['ts'] + e['dur']
+        stretch = dict(e, dur=until - e['ts'])
+        own = (stretch['dur'] - _nested(stretch, upd_spans)
+               - _nested(stretch, lone_waits))
+        forward_s[name] = forward_s.get(name, 0.0) + own * 1e-6
     order = list(dict.fromkeys(order))
     update_s = {}
-    for e in inside:
-        if e.get('cat') == 'update' and e['name'].startswith('update /'):
-            name = e['name'][len('update '):]
-            update_s[name] = update_s.get(name, 0.0) + e['dur'] * 1e-6
+    for e in upd_spans:
+        name = e['name'][len('update '):]
+        update_s[name] = update_s.get(name, 0.0) + (
+            e['dur'] - _nested(e, waits)) * 1e-6
     ready, first_ready = {}, {}
     for e in inside:
         if e['ph'] == 'i' and e['name'].startswith('grad ready '):
@@ -154,11 +183,15 @@ def from_timeline(timeline, param_bytes, wait='forward', iteration=-1,
                'update_s': update_s.get(n, 0.0) if wait == 'forward' else
                0.0, 'param_bytes': list(param_bytes.get(n, []))}
               for n in order]
-    upd = [e['dur'] * 1e-6 for e in events if e['ph'] == 'X'
-           and e['name'] == 'update()' and t0 < e['ts'] + e['dur'] <= t1]
+    # The rest of the iteration, waits excepted: the update() call, the
+    # loss, the Python between iterations.
+    rest = ((t1 - t0) - sum(w['dur'] for w in waits)) * 1e-6 - sum(
+        l['forward_s'] + l['backward_s'] + l['update_s'] for l in layers)
     trace = {
-        'format': FORMAT, 'wait': wait, 'layers': layers,
-        'buckets': buckets, 'update_s': sum(upd),
+        'format': FORMAT, 'wait': wait, 'iteration_index': iteration,
+        'layers': layers,
+        'buckets': buckets, 'update_s': max(0.0, rest),
+        'waits_s': sum(w['dur'] for w in waits) * 1e-6,
         'iteration_s': (t1 - t0) * 1e-6,
         'engine': dict(_engine_costs(events, windows, chunks),
                        backend='mpi_priority', chunk_bytes=chunk_bytes,
@@ -173,6 +206,17 @@ def from_timeline(timeline, param_bytes, wait='forward', iteration=-1,
         c['start_s'] -= t0 * 1e-6
     trace.update(meta or {})
     return trace
+
+
+def _inside(a, b):
+    return b['ts'] <= a['ts'] and a['ts'] + a['dur'] <= b['ts'] + b['dur']
+
+
+def _nested(span, spans):
+    """Microseconds of ``spans`` that lie inside ``span``."""
+    a, b = span['ts'], span['ts'] + span['dur']
+    return sum(e['dur'] for e in spans if e is not span and a <= e['ts']
+               and e['ts'] + e['dur'] <= b)
 
 
 def _iteration_number(events, t0, t1):

@@ -34,6 +34,9 @@ from bench_optimizer import (  # noqa: E402,F401
     overlap_table)
 # Registers its table once benchmarks/results/peers_sharding.json exists.
 import bench_peers_sharding  # noqa: E402
+# Registers the scaling study's tables once benchmarks/results/scale.json
+# exists.
+import bench_scale  # noqa: E402
 
 
 # ----------------------------------------------------------------------------
@@ -131,6 +134,7 @@ def figures(results=RESULTS):
         **sharding_figures(shard),
         **snapshot_figures(load('snapshot.json', results)),
         **bench_peers_sharding.figures(results),
+        **bench_scale.figures(results),
         'soak_cut_end': soak_end(('cut',)),
         'soak_kill_end': soak_end(('kill', 'lose')),
         'soak_median_s': '%.1f' % soak['recovery_less_watchdog_median_s'],

@@ -102,8 +102,12 @@ def _timeline():
         ev.append({'ph': 'i', 's': 't', 'name': name, 'cat': cat, 'pid': 0,
                    'tid': 0, 'ts': ts, 'args': args or {}})
     for it, base in ((1, 0), (2, 1000)):
-        x('forward /a', 'forward', base + 10, 100)
-        x('forward /b', 'forward', base + 120, 200)
+        # /a's forward span holds its deferred update (30 us), which holds
+        # the wait for its bucket (20 us).
+        x('forward /a', 'forward', base + 10, 130)
+        x('update /a', 'update', base + 12, 30)
+        x('wait bucket 1', 'wait', base + 14, 20)
+        x('forward /b', 'forward', base + 150, 170)
         i('grad ready /b/W', 'backward', base + 500)
         i('post bucket 0', 'post', base + 501)
         i('grad ready /a/W', 'backward', base + 800)
@@ -125,8 +129,10 @@ def test_from_timeline():
                             chunk_bytes=1 << 20, meta={'model': 'm'})
     replay.validate_trace(t)
     assert [l['name'] for l in t['layers']] == ['/a', '/b']
+    # /a runs to /b's start (1150), less its update (30): 110 us.
     assert [l['forward_s'] for l in t['layers']] == pytest.approx(
-        [100e-6, 200e-6])
+        [110e-6, 170e-6])
+    assert [l['update_s'] for l in t['layers']] == pytest.approx([10e-6, 0])
     # Backward: /b from the end of forward (1320) to 1500, /a to 1800.
     assert [l['backward_s'] for l in t['layers']] == pytest.approx(
         [300e-6, 180e-6])
@@ -140,9 +146,13 @@ def test_from_timeline():
     assert t['engine']['control_s'] == pytest.approx(19e-6)
     assert [(c['bucket'], c['part'], c['of']) for c in
             t['engine']['chunks']] == [(0, 1, 1), (1, 1, 2), (1, 2, 2)]
-    assert t['model'] == 'm' and t['update_s'] == pytest.approx(50e-6)
+    # The rest of the 1000 us iteration (950 -> 1950) less the 20 us wait.
+    assert t['waits_s'] == pytest.approx(20e-6)
+    assert t['update_s'] == pytest.approx(980e-6 - (110 + 170 + 180 + 300
+                                                    + 10) * 1e-6)
+    assert t['model'] == 'm'
     with pytest.raises(ValueError, match='2 complete iterations'):
-        trace.from_timeline({'traceEvents': _timeline()['traceEvents'][:9]},
+        trace.from_timeline({'traceEvents': _timeline()['traceEvents'][:11]},
                             {})
 
 

@@ -1,0 +1,128 @@
+"""The tables of the scaling study (see :mod:`benchtables`), from
+``scale.json`` (``benchmarks/scale_bench.py``).
+
+``scale-projection``: per calibration and link rate, at every projected
+node count, blocking, ours as recorded, ours without the communication
+thread's CPU time and the overlap bound, for each long-message algorithm
+the projection ran.  ``scale-measured`` (only where the file holds bed
+measurements): per model and rank count, the dilation and each mode's
+scalability with its interval, and the replay against the bed.
+
+Registered only while the file exists (as :mod:`bench_peers_sharding`).
+"""
+import os
+
+from benchcore import RESULTS, TABLES, Table, f3, interval_text, load, table
+
+SOURCE = 'scale.json'
+CALIBRATIONS = (('reference_calibration', 'reference calibration'),
+                ('gpu_class', 'GPU-class'))
+ALGORITHMS = (('', 'MPICH halving/doubling'), ('_ring', 'ring'))
+MODES = (('blocking', 'ChainerMN blocking'), ('overlap_forward', 'ours'),
+         ('overlap_forward_float16', 'ours, float16 wire'),
+         ('overlap_forward_powersgd4', 'ours, PowerSGD rank 4'))
+
+
+def projection_table(results=RESULTS):
+    d = load(SOURCE, results)
+    p = d['projection']
+    rows = []
+    for key, label in CALIBRATIONS:
+        for suffix, algo in ALGORITHMS:
+            for r in p[key].get('rows' + suffix, []):
+                rows.append([label, algo, '%d' % r['nodes'],
+                             '%g' % (r['rate_bit_per_s'] / 1e9),
+                             f3(r['blocking']), f3(r['ours']),
+                             f3(r['ours_no_interference']), f3(r['bound']),
+                             f3(r['bound'] - r['ours_no_interference'])])
+    return Table('ResNet-50 projected by the SimGrid replay (compute per '
+                 'iteration: reference calibration %.3f s, GPU-class %.3f s; '
+                 'latency %g us)' % (
+                     p['reference_calibration']['compute_s'],
+                     p['gpu_class']['iteration_s'],
+                     p['latency_s'] * 1e6),
+                 ['compute', 'allreduce', 'nodes', 'Gb/s', 'blocking',
+                  'ours', 'ours, no thread CPU', 'bound',
+                  'bound - ours (no thread CPU)'], rows, [SOURCE])
+
+
+def measured_table(results=RESULTS):
+    d = load(SOURCE, results)
+    rows = []
+    for model, runs in sorted(d['measured'].items()):
+        replays = {e['ranks']: e for e in d['replay_vs_bed'].get(model, [])}
+        for run in runs:
+            m = run['modes']
+            rep = replays.get(run['ranks'], {})
+            cells = [model, '%d' % run['ranks'], '%g' % run['k']]
+            for mode, _ in MODES:
+                cells.append(interval_text({'median': m[mode]['scalability'],
+                                            'ci': m[mode]['scalability_ci']})
+                             if mode in m else '')
+            cells.append(', '.join('%s %+.3f' % (k, rep[k]['error'])
+                                   for k in ('ours', 'blocking') if k in rep))
+            rows.append(cells)
+    return Table('Measured on the dilated bed: scalability [95 %% interval] '
+                 'at dilation k; %s' % ('taken under load' if 'load' in
+                                        d.get('note', '') else 'quiet'),
+                 ['model', 'ranks', 'k'] + [l for _, l in MODES]
+        + ['replay - bed'], rows, [SOURCE])
+
+
+def _row(rows, nodes, rate):
+    for r in rows:
+        if r['nodes'] == nodes and r['rate_bit_per_s'] == rate:
+            return r
+    raise KeyError('no projected row at %d nodes, %g Gb/s' % (nodes,
+                                                             rate / 1e9))
+
+
+def figures(results=RESULTS):
+    """The figures the pages and the README quote from the study; none
+    without the file."""
+    if not os.path.isfile(os.path.join(results, SOURCE)):
+        return {}
+    d = load(SOURCE, results)
+    p = d['projection']
+    ref, gpu = (p['reference_calibration']['rows'], p['gpu_class']['rows'])
+    out = {}
+    for name, rows, nodes, rate in (('ref16_10', ref, 16, 10e9),
+                                    ('ref256_25', ref, 256, 25e9),
+                                    ('ref1024_10', ref, 1024, 10e9),
+                                    ('gpu16_10', gpu, 16, 10e9),
+                                    ('gpu256_10', gpu, 256, 10e9),
+                                    ('gpu1024_10', gpu, 1024, 10e9)):
+        r = _row(rows, nodes, rate)
+        for key in ('blocking', 'ours', 'ours_no_interference', 'bound'):
+            out['scale_%s_%s' % (name, key)] = f3(r[key])
+    gaps = [r['bound'] - r['ours_no_interference'] for r in ref + gpu]
+    out['scale_max_gap_no_interference'] = f3(max(gaps))
+    ring = p['gpu_class'].get('rows_ring')
+    if ring:
+        out['scale_gpu1024_10_ring_ours'] = f3(
+            _row(ring, 1024, 10e9)['ours_no_interference'])
+    v = d.get('replay_vs_trace_run') or {}
+    for mode in ('ours', 'blocking'):
+        if 'error' in v.get(mode, {}):
+            out['scale_replay2_%s' % mode] = f3(v[mode]['replay'])
+            out['scale_bed2_%s' % mode] = f3(v[mode]['measured'])
+            out['scale_error2_%s' % mode] = '%+.3f' % v[mode]['error']
+    return out
+
+
+def register(results=RESULTS):
+    """Registers the tables while ``results`` holds the file."""
+    path = os.path.join(results, SOURCE)
+    if not os.path.isfile(path):
+        TABLES.pop('scale-projection', None)
+        TABLES.pop('scale-measured', None)
+        return False
+    table('scale-projection')(projection_table)
+    if load(SOURCE, results).get('measured'):
+        table('scale-measured')(measured_table)
+    else:
+        TABLES.pop('scale-measured', None)
+    return True
+
+
+register()
