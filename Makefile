@@ -168,15 +168,20 @@ test-wheel: venv
 # stack layer by layer vs tiled over a link with 1-5 ms latency (as root:
 # the network test bed with netem; else latency emulated in-process):
 # benchmarks/results/channel_tiling.json.  CHANNEL_TILING_ARGS passes
-# options, e.g. '--quick'.
+# options, e.g. '--quick'.  Last, the 3-D U-Net of
+# examples/spatial/train_unet3d_spatial.py at 1 -> 2 processes: strong
+# scaling and memory per process against one process,
+# benchmarks/results/unet.json.  UNET_ARGS passes options, e.g. '--insize 64'.
 SPATIAL_ARGS ?=
 CHANNEL_TILING_ARGS ?=
+UNET_ARGS ?=
 .PHONY: bench-spatial
 bench-spatial: venv
 	@$(PY) -c 'import matplotlib' 2>/dev/null || \
 	    $(PY) -m pip install -q matplotlib
 	$(PY) -m benchmarks spatial $(SPATIAL_ARGS)
 	$(PY) -m benchmarks channel_tiling $(CHANNEL_TILING_ARGS)
+	$(PY) -m benchmarks unet $(UNET_ARGS)
 
 # Sharding (shard='optimizer' | 'gradients' | 'parameters'): bytes per rank
 # of a 37.7 M-parameter MLP with Adam at 1, 2 and 4 ranks (tracemalloc),

@@ -28,6 +28,7 @@ STUDIES = (
     ('peers_sharding', 'benchmarks.peers_sharding'),
     ('hosts_soak', 'benchmarks.hosts_soak'),
     ('spatial', 'benchmarks.spatial_bench'),
+    ('unet', 'benchmarks.unet_bench'),
     ('channel_tiling', 'benchmarks.channel_tiling_bench'),
     ('halo_ab', 'benchmarks.halo_ab'),
     ('spatial_profile', 'benchmarks.spatial_profile'),
