@@ -48,7 +48,7 @@ it, as on a machine where communication takes no CPU time from compute.
 Ranks are identical (rank 0's trace for everyone): stragglers, the jitter
 of a shared machine and CPU time taken by the communication thread beyond
 what the recorded spans contain are not modelled.  Above ``--exact-hosts``
-ranks (default 32) the replay runs that many hosts and gives each
+ranks (default 8) the replay runs that many hosts and gives each
 collective the step count and message sizes of N ranks: a ring step's
 message carries the bytes of all 2 (N - 1) steps plus their latency;
 halving and doubling run their first log2(hosts) steps as messages and

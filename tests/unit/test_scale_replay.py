@@ -211,3 +211,22 @@ def test_registry_lists_scale():
     # The replay module imports without SimGrid (this Python has none).
     assert 'simgrid' not in sys.modules or sys.executable == \
         project.SYSTEM_PYTHON
+
+
+@pytest.mark.skipif(_simgrid_missing() is not None,
+                    reason='python3-simgrid is not installed for '
+                           '/usr/bin/python3')
+@pytest.mark.parametrize('algorithm', ['halving', 'ring'])
+def test_fewer_simulated_hosts_give_the_same_iteration(tmp_path, algorithm):
+    # 16 ranks simulated as 16 hosts and as 4 hosts carrying 16 ranks'
+    # steps: the same time (identical ranks, full bisection).
+    t = tiny_trace()
+    t['engine']['step_overhead_s'] = 1e-4
+    path = tmp_path / 't.json'
+    path.write_text(json.dumps(t))
+    out = [project.replay(str(path), 16, 1e9, 20e-6, 'ours',
+                          algorithm=algorithm, iterations=3, exact_hosts=h)
+           for h in (16, 4)]
+    assert [o['simulated_hosts'] for o in out] == [16, 4]
+    assert out[1]['iteration_s'] == pytest.approx(out[0]['iteration_s'],
+                                                  rel=1e-9)
