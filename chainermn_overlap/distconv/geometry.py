@@ -449,13 +449,17 @@ def deconv_input_interval(out_iv: Interval, n_in: int, ksize: int,
     """Input cells of a transposed convolution that reach ``out_iv``.
 
     Input ``i`` adds to the outputs ``i * stride - pad + j * dilate`` for
-    ``j < ksize`` (the adjoint of :func:`input_interval`). The result is the
-    tight interval of the input cells (clipped to ``[0, n_in)``) that add to
-    at least one output of ``out_iv``; those outside it add nothing there.
+    ``j < ksize`` (the adjoint of :func:`input_interval`). The result
+    (clipped to ``[0, n_in)``) holds every input cell that adds to an
+    output of ``out_iv``; those outside it add nothing there. It is tight
+    for ``dilate == 1``; with gaps in the window, a cell inside it may
+    step over a short ``out_iv`` and add nothing to it, which costs a
+    transferred cell, not exactness.
 
     Returns:
-        tuple: ``(lo, hi)``, empty (``lo == hi``) if no input cell reaches
-        ``out_iv`` (an empty block, or outputs that only ``outsize`` adds).
+        tuple: ``(lo, hi)``, empty (``lo == hi``) if no input window
+        reaches ``out_iv`` (an empty block, or outputs that only
+        ``outsize`` adds).
     """
     lo, hi = out_iv
     if hi <= lo:
