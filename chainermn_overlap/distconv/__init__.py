@@ -163,10 +163,9 @@ Encoder-decoder models:
 
 Not supported:
     ``return_indices`` of max pooling, BN over other axes, the
-    interior-first overlap for transposed convolution, unpooling and
-    resizing (they use the blocking exchange), double backpropagation
-    through batch or group normalisation, and spatially
-    splitting a layer with a grid of another dimensionality; grouped
+    interior-first overlap for resizing (it uses the blocking exchange),
+    double backpropagation through batch or group normalisation, and
+    spatially splitting a layer with a grid of another dimensionality; grouped
     convolutions with ``split='filter'``/``'channel'``; inside
     :class:`Tiled`, the overlapped (interior-first) exchange (a tile's one
     exchange is blocking) and batch normalisation in sample layout.

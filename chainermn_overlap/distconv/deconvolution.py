@@ -32,6 +32,7 @@ import numpy
 from chainermn_overlap.distconv import exchange
 from chainermn_overlap.distconv import functions as conv_functions
 from chainermn_overlap.distconv import geometry
+from chainermn_overlap.distconv import window_ops
 
 if TYPE_CHECKING:
     from chainer.types import NdArray
@@ -129,18 +130,56 @@ def transposed_apply(grid: SpatialGrid, x: chainer.Variable, layer: str,
         graph has the same depth on every process (the order of the
         exchanges in backward depends on it).
     """
+    in_shape = tuple(layout.spatial_shape)
+    geo = (tuple(ksize), tuple(stride), tuple(pad), tuple(dilate))
     plan, out_box, in_box, any_halo = geometry.deconv_plan(
-        tuple(layout.spatial_shape), tuple(out_shape), grid.shape,
-        tuple(ksize), tuple(stride), tuple(pad), tuple(dilate),
-        grid.spatial_rank)
-    x_in = fetch_box(grid, x, plan, any_halo)
-    shape = (x.shape[0], out_channels) + geometry.box_shape(out_box)
-    if numpy.prod(shape) == 0 or geometry.box_is_empty(in_box):
-        y = exchange.ZeroBlock(shape).apply((x_in,) + tuple(params))[0]
-        return F.identity(y)
-    src = tuple(geometry.deconv_local_output(iv, k, s, p, d)
-                for iv, k, s, p, d in zip(in_box, ksize, stride, pad, dilate))
-    return Reframe(src, out_box).apply((op(x_in),))[0]
+        in_shape, tuple(out_shape), grid.shape, *geo, grid.spatial_rank)
+    lead = (x.shape[0], out_channels)
+
+    def run(x_in, in_box, box):
+        if numpy.prod(lead + geometry.box_shape(box)) == 0 or \
+                geometry.box_is_empty(in_box):
+            y = exchange.ZeroBlock(lead + geometry.box_shape(box)).apply(
+                (x_in,) + tuple(params))[0]
+            return F.identity(y)
+        src = geometry.deconv_box_output(in_box, *geo)
+        return Reframe(src, box).apply((op(x_in),))[0]
+
+    if any_halo and grid.overlap:
+        return _overlapped(grid, x, plan, out_box, in_shape, geo, run,
+                           out_shape, out_channels)
+    return run(fetch_box(grid, x, plan, any_halo), in_box, out_box)
+
+
+def _overlapped(grid, x, plan, out_box, in_shape, geo, run, out_shape,
+                out_channels):
+    """Interior first: the output cells reached only by owned input cells
+    are computed, in pieces with MPI progress calls between them, while
+    the halo travels; then the boundary slabs (as the convolutions'
+    :func:`~chainermn_overlap.distconv.window_ops.window_apply`)."""
+    interior = geometry.deconv_interior(out_box, plan.own, in_shape, *geo)
+    slabs = geometry.split_interior(out_box, interior)
+    n_pieces = window_ops.interior_pieces(grid, out_shape, out_channels)
+    pieces = geometry.split_box(interior, n_pieces)
+    piece_ins = [geometry.deconv_box_input(b, in_shape, *geo)
+                 for b in pieces]
+    slab_ins = [geometry.deconv_box_input(b, in_shape, *geo) for b in slabs]
+    grid.stats['exchange_overlapped'] += 1
+    state = exchange.HaloState(grid, plan)
+    outs = exchange.HaloStart(state, piece_ins).apply((x,))
+    token, views = outs[0], outs[1:]
+    ys = []
+    for view, in_box, box in zip(views, piece_ins, pieces):
+        if ys:
+            # See window_apply: orders the pieces, drives MPI in between.
+            after = ys[-1] if x.requires_grad else ys[-1].array
+            view = exchange.HaloProgress(state).apply((view, after))[0]
+        ys.append(run(view, in_box, box))
+    x_slabs = exchange.HaloFinish(state, slab_ins, 0).apply(
+        (x, token, ys[-1]))
+    ys += [run(xs, box, slab)
+           for xs, box, slab in zip(x_slabs, slab_ins, slabs)]
+    return exchange.Assemble(out_box, pieces + list(slabs)).apply(ys)[0]
 
 
 def fetch_box(grid: SpatialGrid, x: chainer.Variable,

@@ -28,7 +28,8 @@ __all__ = [
     'Box', 'ExchangePlan', 'Interval', 'Shape',
     'all_grid_coords', 'block_box', 'block_range', 'block_sizes',
     'box_is_empty', 'box_shape', 'box_slices', 'clip',
-    'deconv_input_interval', 'deconv_local_output', 'deconv_output_size',
+    'deconv_box_input', 'deconv_box_output', 'deconv_input_interval',
+    'deconv_interior', 'deconv_local_output', 'deconv_output_size',
     'deconv_plan', 'dilated_ksize', 'exchange_plan', 'grid_coords',
     'grid_rank', 'grid_size', 'input_interval',
     'interior_interval', 'intersect', 'interval_size', 'needed_plan',
@@ -515,12 +516,53 @@ def deconv_plan(in_shape: Shape, out_shape: Shape, grid_shape: Shape,
     needed, out_boxes = [], []
     for r in range(grid_size(grid_shape)):
         ob = block_box(out_shape, grid_shape, grid_coords(grid_shape, r))
-        ib = tuple(deconv_input_interval(o, n, k, s, p, d)
-                   for o, n, k, s, p, d
-                   in zip(ob, in_shape, ksize, stride, pad, dilate))
-        if box_is_empty(ib):
-            ib = tuple((0, 0) for _ in ib)
         out_boxes.append(ob)
-        needed.append(ib)
+        needed.append(deconv_box_input(ob, in_shape, ksize, stride, pad,
+                                       dilate))
     plan, any_halo = needed_plan(in_shape, grid_shape, needed, spatial_rank)
     return plan, out_boxes[spatial_rank], needed[spatial_rank], any_halo
+
+
+def deconv_box_input(out_box: Box, in_shape: Shape, ksize: Shape,
+                     stride: Shape, pad: Shape, dilate: Shape) -> Box:
+    """:func:`deconv_input_interval` per dimension; all ``(0, 0)`` if the
+    box is reached by nothing (or empty)."""
+    box = tuple(deconv_input_interval(o, n, k, s, p, d) for o, n, k, s, p, d
+                in zip(out_box, in_shape, ksize, stride, pad, dilate))
+    return tuple((0, 0) for _ in box) if box_is_empty(box) else box
+
+
+def deconv_box_output(in_box: Box, ksize: Shape, stride: Shape, pad: Shape,
+                      dilate: Shape) -> Box:
+    """:func:`deconv_local_output` per dimension (``in_box`` non-empty)."""
+    return tuple(deconv_local_output(iv, k, s, p, d)
+                 for iv, k, s, p, d in zip(in_box, ksize, stride, pad, dilate))
+
+
+def deconv_interior(out_box: Box, own: Box, in_shape: Shape, ksize: Shape,
+                    stride: Shape, pad: Shape, dilate: Shape) -> Box:
+    """Outputs of ``out_box`` reached only by input cells of ``own``.
+
+    Along each dimension the first and the last input cell reaching an
+    output never decrease with the output, so these outputs form one
+    interval per dimension: after the last output reached from below
+    ``own`` and before the first reached from above it.
+
+    Returns:
+        tuple: A box inside ``out_box`` (empty along some dimension if no
+        output qualifies).
+    """
+    out = []
+    for (lo, hi), (olo, ohi), n, k, s, p, d in zip(
+            out_box, own, in_shape, ksize, stride, pad, dilate):
+        a, b = lo, hi
+        for o in range(lo, hi):
+            first, last = deconv_input_interval((o, o + 1), n, k, s, p, d)
+            if last <= first:
+                continue
+            if first < olo:
+                a = o + 1
+            if last > ohi and b == hi:
+                b = o
+        out.append((a, b) if b > a else (lo, lo))
+    return tuple(out)

@@ -47,6 +47,19 @@ def test_deconvolution_2d(shape, case):
                   [('W', serial.W, dist.W), ('b', serial.b, dist.b)])
 
 
+@pytest.mark.parametrize('shape', [(2, 1), (2, 2), (1, 3)], ids=str)
+@pytest.mark.parametrize('case', DECONV2D_CASES[::2], ids=str)
+def test_deconvolution_2d_blocking_exchange(shape, case):
+    """The same with the blocking exchange (the others overlap: interior
+    first, boundary slabs after the halo)."""
+    g = grid(shape)
+    old, g.overlap = g.overlap, False
+    try:
+        test_deconvolution_2d(shape, case)
+    finally:
+        g.overlap = old
+
+
 DECONV3D_CASES = [
     # (D, H, W, ksize, stride, pad, outsize)
     (3, 4, 3, 3, 2, 1, None),
@@ -79,21 +92,25 @@ def test_deconvolution_without_halo_exchanges_nothing(shape):
     serial = L.Deconvolution2D(2, 3, 2, 2, 0)
     dist = distconv.Deconvolution2D(g, 2, 3, 2, 2, 0)
     dist.copyparams(serial)
-    before = dict(g.stats)
+    def exchanges():
+        return tuple(g.stats.get('exchange_' + k, 0)
+                     for k in ('none', 'blocking', 'overlapped'))
+
+    before = exchanges()
     x = rng.randn(2, 2, 8, 4).astype(np.float32)
     compare_layer(g, x, serial, dist,
                   [('W', serial.W, dist.W), ('b', serial.b, dist.b)])
     chk = Checker()
-    chk.true('no exchange', g.stats['exchange_blocking']
-             == before.get('exchange_blocking', 0)
-             and g.stats['exchange_none']
-             == before.get('exchange_none', 0) + 1)
+    after = exchanges()
+    chk.true('no exchange: %r -> %r' % (before, after),
+             after == (before[0] + 1,) + before[1:])
     # Control: on a size the grid does not divide the same layer needs
-    # cells of a neighbour, and the counter sees the exchange.
+    # cells of a neighbour, and the counters see the exchange.
     x = rng.randn(2, 2, 7, 3).astype(np.float32)
     compare_layer(g, x, serial, dist, check=chk)
-    chk.true('exchange on uneven blocks', g.stats['exchange_blocking']
-             == before.get('exchange_blocking', 0) + 1)
+    last = exchanges()
+    chk.true('exchange on uneven blocks: %r -> %r' % (after, last),
+             last[0] == after[0] and sum(last[1:]) == sum(after[1:]) + 1)
     chk.done()
 
 

@@ -81,3 +81,26 @@ def test_source_indices_match_chainer(monkeypatch, mode, ac):
         assert (i1 == np.minimum(i0 + 1, n_in - 1) if mode == 'bilinear'
                 else i1 == i0).all()
         assert np.array_equal(w, vw)
+
+
+@pytest.mark.parametrize('n_in,k,s,p', list(itertools.product(
+    [5, 9], [1, 2, 3, 4], [1, 2, 3], [0, 1, 2])))
+def test_deconv_interior_reads_only_owned_cells(n_in, k, s, p):
+    n_out = geometry.deconv_output_size(n_in, k, s, p)
+    if n_out <= 0:
+        return
+    for procs in (2, 3):
+        for r in range(procs):
+            own = geometry.block_range(n_in, procs, r)
+            ob = geometry.block_range(n_out, procs, r)
+            (a, b), = geometry.deconv_interior((ob,), (own,), (n_in,), (k,),
+                                               (s,), (p,), (1,))
+            assert ob[0] <= a <= b <= ob[1] or a == b == ob[0]
+            for o in range(a, b):
+                cells = _reaching(o, o + 1, n_in, k, s, p, 1)
+                assert all(own[0] <= i < own[1] for i in cells), (o, own)
+            # Maximal: the outputs just outside it read other blocks.
+            for o in (a - 1, b):
+                if ob[0] <= o < ob[1] and b > a:
+                    cells = _reaching(o, o + 1, n_in, k, s, p, 1)
+                    assert any(not own[0] <= i < own[1] for i in cells)
