@@ -395,12 +395,18 @@ def main(argv=None):
         result['measured'][model] = rows
         tr = make_trace(model, os.path.join(tdir, 'timeline.rank0.json'),
                         rows, log)
-        tpath = os.path.join(RESULTS, 'scale_trace.{}.json'.format(model))
+        # Beside the results file (--out elsewhere keeps results/ as is).
+        tpath = os.path.join(os.path.dirname(os.path.abspath(args.out)),
+                             'scale_trace.{}.json'.format(model))
         with open(tpath, 'w') as f:
             json.dump(tr, f, indent=1)
         result.setdefault('traces', {})[model] = os.path.relpath(tpath, ROOT)
         result['replay_vs_bed'][model] = replay_measured(tpath, rows, log)
         if model == s['models'][0]:
+            # The replay at the traced run's own ranks and link.
+            result['replay_vs_trace_run'] = dict(
+                result['replay_vs_bed'][model][0],
+                rate_bit_per_s=tr['link']['rate_bit_per_s'])
             result['projection'] = projection(tpath, tr, log, not args.full,
                                               args.algorithms.split(','))
             result['projection']['model'] = model
