@@ -336,11 +336,11 @@ def main(argv=None):
     p.add_argument('--algorithms', default=None,
                    help='long-message allreduce(s) of the projection: '
                         'halving (MPICH\'s), ring; comma-separated (default '
-                        'halving; --full: halving,ring)')
+                        'both)')
     p.add_argument('--out', default=os.path.join(RESULTS, 'scale.json'))
     args = p.parse_args(argv)
     if args.algorithms is None:
-        args.algorithms = 'halving,ring' if args.full else 'halving'
+        args.algorithms = 'halving,ring'
     s = settings(args)
     t_start = time.time()
 
@@ -367,6 +367,7 @@ def main(argv=None):
         result['projection'] = projection(args.trace, tr, log, not args.full,
                                           args.algorithms.split(','))
         result['projection']['trace'] = args.trace
+        result['projection']['model'] = tr.get('model')
         return finish(result, args, log)
     netbed.require_root()
     if not cpuquota.cpu_controller_available():

@@ -35,10 +35,12 @@ def projection_table(results=RESULTS):
                              f3(r['blocking']), f3(r['ours']),
                              f3(r['ours_no_interference']), f3(r['bound']),
                              f3(r['bound'] - r['ours_no_interference'])])
-    return Table('ResNet-50 projected by the SimGrid replay (compute per '
+    model = {'resnet50': 'ResNet-50', 'resnet18': 'ResNet-18'}.get(
+        p.get('model'), p.get('model') or 'the traced model')
+    return Table('%s projected by the SimGrid replay (compute per '
                  'iteration: reference calibration %.3f s, GPU-class %.3f s; '
                  'latency %g us)' % (
-                     p['reference_calibration']['compute_s'],
+                     model, p['reference_calibration']['compute_s'],
                      p['gpu_class']['iteration_s'],
                      p['latency_s'] * 1e6),
                  ['compute', 'allreduce', 'nodes', 'Gb/s', 'blocking',
