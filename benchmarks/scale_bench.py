@@ -1,4 +1,5 @@
-"""Scalability beyond two ranks: measured at 2-8 ranks on a time-dilated bed, replayed and projected to 1,024 nodes with SimGrid.
+"""Scalability beyond two ranks: measured at 2-8 ranks on a time-dilated
+bed, replayed and projected to 1,024 nodes with SimGrid.
 
 Run (as root, from the repository root; ``make bench-scale`` installs
 ``python3-simgrid`` and runs the quick setting)::

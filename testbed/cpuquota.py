@@ -14,7 +14,8 @@ N ranks leave that free core fraction.
 
 Each rank enters its cgroup through a one-line shell wrapper (it writes
 its pid to ``cgroup.procs``, then ``exec``s ``ip netns exec ... taskset
-... rank``), so the rank and every thread it starts are counted.  The cgroups are removed when the bed closes (after the job
+... rank``), so the rank and every thread it starts are counted.  The
+cgroups are removed when the bed closes (after the job
 ended) and, as for namespaces, cgroups left by an owner that was killed
 are removed by the next bed.
 """

@@ -507,7 +507,8 @@ class Replay(object):
         for r in range(self.hosts):
             if self.mode == 'ours':
                 st = {'posted': set(), 'done': set(),
-                      'work': self.sg.Semaphore(0), 'fin': self.sg.Semaphore(0)}
+                      'work': self.sg.Semaphore(0),
+                      'fin': self.sg.Semaphore(0)}
                 self.sg.Actor.create('main{}'.format(r), hosts[r],
                                      self._ours_main, r, st)
                 self.sg.Actor.create('comm{}'.format(r), hosts[r],
