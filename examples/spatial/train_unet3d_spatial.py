@@ -11,7 +11,8 @@ losses or the parameters differ)::
         examples/spatial/train_unet3d_spatial.py --check
     .venv/bin/mpiexec -n 4 .venv/bin/python \\
         examples/spatial/train_unet3d_spatial.py --check --grid 1,2,2
-    # a volume whose activations one process cannot hold comfortably:
+    # one 160^3 volume: each 16-channel map at full resolution is 262 MB,
+    # a quarter of it per process:
     .venv/bin/mpiexec -n 4 .venv/bin/python \\
         examples/spatial/train_unet3d_spatial.py --insize 160 --width 16 \\
         --grid 1,2,2 --iterations 3
