@@ -84,10 +84,11 @@ def job_cfg(model, modes, s, trace=None):
             'bucket_size': None, 'rounds': s['rounds'], 'trace': trace}
 
 
-def run_dilated(ranks, rate, k, cfg, t_compute, log):
+def run_dilated(ranks, rate, k, cfg, t_compute, log, period_us=None):
     """One trainer job on a DilatedBed; summary, bed record."""
     load = os.getloadavg()
-    with cpuquota.DilatedBed(ranks, rate, dilation=k) as bed:
+    with cpuquota.DilatedBed(ranks, rate, dilation=k,
+                             period_us=period_us) as bed:
         raw, res = run_on(bed, cfg, t_compute * k * ranks,
                           '{} ranks, k={}'.format(ranks, k))
         record = bed.describe()
@@ -119,7 +120,8 @@ def validate(rate, s, t_compute, log):
     for rep in range(s['repeats']):
         order = s['ks'] if rep % 2 == 0 else s['ks'][::-1]
         for k in order:
-            jobs[k].append(run_dilated(2, rate, k, cfg, t_compute, log))
+            jobs[k].append(run_dilated(2, rate, k, cfg, t_compute, log,
+                                       s.get('period_us')))
     out = {'model': cfg['model'], 'rate_bit_per_s': rate, 'by_k': {}}
     for k, js in jobs.items():
         out['by_k'][str(k)] = {m: pooled(js, m) for m in VALIDATION_MODES
@@ -144,7 +146,7 @@ def measure(model, rate, s, t_compute, trace_dir, log):
             trace = (os.path.join(trace_dir, 'timeline.rank{rank}.json')
                      if n == s['ranks'][0] and g == 0 else None)
             job = run_dilated(n, rate, k, job_cfg(model, modes, s, trace),
-                              t_compute, log)
+                              t_compute, log, s.get('period_us'))
             if row is None:
                 row = job
             else:
@@ -329,6 +331,9 @@ def main(argv=None):
                    help='undilated link rate (default: blocking near 0.667 '
                         'at 2 ranks by the alpha-beta estimate)')
     p.add_argument('--validate-only', action='store_true')
+    p.add_argument('--period-us', type=int, default=None,
+                   help='cpu.cfs_period_us of each rank (default: the '
+                        'shortest allowing a 1 ms quota)')
     p.add_argument('--skip-validation', action='store_true',
                    help='no dilation check (run it with --validate-only)')
     p.add_argument('--project-only', action='store_true',
@@ -350,6 +355,7 @@ def main(argv=None):
         args.out = os.path.join(RESULTS, 'scale_validation.json'
                                 if args.validate_only else 'scale.json')
     s = settings(args)
+    s['period_us'] = args.period_us
     t_start = time.time()
 
     def log(msg):

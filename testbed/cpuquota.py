@@ -26,10 +26,12 @@ from testbed import netbed
 from testbed._system import PREFIX, NetBedError, pid_alive
 
 CPU_ROOT = '/sys/fs/cgroup/cpu'
-# The quota is enforced per period: a shorter period throttles a rank in
-# shorter stretches (a throttled rank answers no message until its next
-# period), at a little more scheduler work.
-DEFAULT_PERIOD_US = 10000
+# The quota is enforced per period: a throttled rank answers no message
+# until its next period, a stall that does not scale with k (10 ms periods:
+# up to 2 ms at k = 1, 8 ms at k = 4).  By default the period is the
+# shortest whose quota is the kernel's minimum of 1 ms (1.25 ms at k = 1,
+# 5 ms at k = 4): stalls of at most 0.25 to 4 ms.
+MIN_QUOTA_US = 1000
 FREE_CORES = 0.4
 
 
@@ -76,12 +78,13 @@ class DilatedBed(netbed.NetBed):
             1); each rank gets ``share / dilation``.
         delay (str): the undilated one-way delay (``delay * dilation`` on
             the bed), or None.
-        period_us (int): ``cpu.cfs_period_us`` of each rank's cgroup.
+        period_us (int): ``cpu.cfs_period_us`` of each rank's cgroup;
+            default: the shortest that allows the kernel's 1 ms quota.
         root (str): where the cgroup v1 ``cpu`` controller is mounted.
     """
 
     def __init__(self, ranks, rate, dilation=1.0, share=0.8, delay=None,
-                 period_us=DEFAULT_PERIOD_US, root=CPU_ROOT, **kwargs):
+                 period_us=None, root=CPU_ROOT, **kwargs):
         if not dilation >= 1:
             raise ValueError('dilation must be at least 1, got {!r}'
                              .format(dilation))
@@ -102,9 +105,17 @@ class DilatedBed(netbed.NetBed):
                          / self.dilation,
                          delay=None if not d else '{}us'.format(
                              d * self.dilation * 1e6), **kwargs)
+        cores = self.share / self.dilation
+        if period_us is None:
+            period_us = int(math.ceil(MIN_QUOTA_US / cores))
         self.period_us = int(period_us)
-        self.quota_us = max(1000, int(round(
-            self.period_us * self.share / self.dilation)))
+        self.quota_us = int(round(self.period_us * cores))
+        if self.quota_us < MIN_QUOTA_US:
+            raise ValueError(
+                'a quota of {} us per {} us period is below the kernel\'s '
+                'minimum of {} us: give a period of at least {} us'.format(
+                    self.quota_us, self.period_us, MIN_QUOTA_US,
+                    int(math.ceil(MIN_QUOTA_US / cores))))
         self.root = root
         self.cgroups = ['{}{}q{}'.format(PREFIX, os.getpid(), r)
                         for r in range(ranks)]

@@ -46,7 +46,9 @@ def test_ranks_run_in_their_quota_and_everything_goes_away():
         made = [os.path.join(cpuquota.CPU_ROOT, n) for n in bed.cgroups]
         assert bed.rate_bps == 25e6
         with open(os.path.join(made[0], 'cpu.cfs_quota_us')) as f:
-            assert int(f.read()) == 2000     # 0.8 / 4 of a 10 ms period
+            assert int(f.read()) == 1000     # 0.8 / 4 of a 5 ms period
+        with open(os.path.join(made[0], 'cpu.cfs_period_us')) as f:
+            assert int(f.read()) == 5000
         res = bed.run_mpi([sys.executable, '-c', SPIN], timeout=120)
         throttled = bed.throttled_seconds()
         record = bed.describe()['dilation']
@@ -65,3 +67,6 @@ def test_dilation_arguments_are_checked():
         cpuquota.DilatedBed(2, '100mbit', dilation=0.5)
     with pytest.raises(ValueError, match='share'):
         cpuquota.DilatedBed(2, '100mbit', share=1.5)
+    if WHY_NOT is None:
+        with pytest.raises(ValueError, match='at least 5000 us'):
+            cpuquota.DilatedBed(2, '100mbit', dilation=4, period_us=2000)
