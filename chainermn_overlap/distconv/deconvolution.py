@@ -164,22 +164,8 @@ def _overlapped(grid, x, plan, out_box, in_shape, geo, run, out_shape,
     piece_ins = [geometry.deconv_box_input(b, in_shape, *geo)
                  for b in pieces]
     slab_ins = [geometry.deconv_box_input(b, in_shape, *geo) for b in slabs]
-    grid.stats['exchange_overlapped'] += 1
-    state = exchange.HaloState(grid, plan)
-    outs = exchange.HaloStart(state, piece_ins).apply((x,))
-    token, views = outs[0], outs[1:]
-    ys = []
-    for view, in_box, box in zip(views, piece_ins, pieces):
-        if ys:
-            # See window_apply: orders the pieces, drives MPI in between.
-            after = ys[-1] if x.requires_grad else ys[-1].array
-            view = exchange.HaloProgress(state).apply((view, after))[0]
-        ys.append(run(view, in_box, box))
-    x_slabs = exchange.HaloFinish(state, slab_ins, 0).apply(
-        (x, token, ys[-1]))
-    ys += [run(xs, box, slab)
-           for xs, box, slab in zip(x_slabs, slab_ins, slabs)]
-    return exchange.Assemble(out_box, pieces + list(slabs)).apply(ys)[0]
+    return window_ops.interior_first(grid, x, plan, out_box, pieces,
+                                     piece_ins, slabs, slab_ins, 0, run)
 
 
 def fetch_box(grid: SpatialGrid, x: chainer.Variable,

@@ -114,11 +114,27 @@ def window_apply(grid: SpatialGrid, x: chainer.Variable, layer: str,
         grid.stats['exchange_blocking'] += 1
         x_ext = exchange.region_exchange(grid, x, plan, fill)
         return run(x_ext, plan.ext, out_box)
-    grid.stats['exchange_overlapped'] += 1
     n_pieces = interior_pieces(grid, out_shape, out_channels)
     pieces = geometry.split_box(interior, n_pieces)
     piece_ins = [geometry.window_input_box(b, ksize, stride, pad, dilate)
                  for b in pieces]
+    return interior_first(grid, x, plan, out_box, pieces, piece_ins, slabs,
+                          slab_ins, fill, run)
+
+
+def interior_first(grid: SpatialGrid, x: chainer.Variable,
+                   plan: geometry.ExchangePlan, out_box: Sequence,
+                   pieces: Sequence, piece_ins: Sequence, slabs: Sequence,
+                   slab_ins: Sequence, fill: float,
+                   run: Callable) -> chainer.Variable:
+    """The output block ``out_box`` computed interior first: ``run`` on
+    each interior piece (output box ``pieces[i]``, from input box
+    ``piece_ins[i]``, all owned) while the halo travels, with MPI progress
+    calls between the pieces, then on each boundary slab once the halo is
+    in, the results assembled into one block.  Used by every windowed
+    operation (convolutions, pooling, transposed convolution, unpooling):
+    only the geometry of the pieces differs between them."""
+    grid.stats['exchange_overlapped'] += 1
     state = exchange.HaloState(grid, plan)
     outs = exchange.HaloStart(state, piece_ins).apply((x,))
     token, views = outs[0], outs[1:]
