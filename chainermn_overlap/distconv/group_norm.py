@@ -22,6 +22,7 @@ import chainer.functions as F
 import numpy
 
 from chainermn_overlap.distconv import _comm
+from chainermn_overlap.distconv import normalization
 
 if TYPE_CHECKING:
     from chainer.types import NdArray
@@ -92,19 +93,8 @@ class DistributedGroupNormalization(function_node.FunctionNode):
         return y.reshape(x.shape).astype(x.dtype, copy=False),
 
     def backward(self, indexes, grad_outputs):
-        if chainer.config.enable_backprop:
-            raise NotImplementedError(
-                'distconv.group_normalization does not support double '
-                'backpropagation; call backward() without '
-                'enable_double_backprop.')
-        x, gamma = self.get_retained_inputs()
-        x, gamma = x.array, gamma.array
-        xp = backend.get_array_module(x)
-        gy = grad_outputs[0]
-        # Every process must join the reduction below, even when its
-        # output gradient is None (output unused).
-        gy = xp.zeros_like(x) if gy is None else gy.array
-        interm = numpy.promote_types(x.dtype, gamma.dtype)
+        x, gamma, gy, xp, interm = normalization.backward_inputs(
+            self, grad_outputs, 'distconv.group_normalization')
         x4 = self._cells(x).astype(interm, copy=False)
         gy4 = self._cells(gy).astype(interm, copy=False)
         n, g, per = x4.shape[:3]

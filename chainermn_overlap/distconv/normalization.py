@@ -59,6 +59,25 @@ def _flat(a):
     return a.reshape(a.shape[:2] + (int(numpy.prod(a.shape[2:])),))
 
 
+
+def backward_inputs(node: function_node.FunctionNode, grad_outputs: tuple,
+                    name: str) -> tuple:
+    """``(x, gamma, gy, xp, interm)`` for the backward of a normalization
+    node that retained ``(x, gamma)``: arrays, ``gy`` zeros where the
+    output is unused (every process must still join the backward's
+    reduction), ``interm`` the computation's dtype.  Double
+    backpropagation is refused, naming ``name``."""
+    if chainer.config.enable_backprop:
+        raise NotImplementedError(
+            '{} does not support double backpropagation; call backward() '
+            'without enable_double_backprop.'.format(name))
+    x, gamma = node.get_retained_inputs()
+    x, gamma = x.array, gamma.array
+    xp = backend.get_array_module(x)
+    gy = grad_outputs[0]
+    gy = xp.zeros_like(x) if gy is None else gy.array
+    return x, gamma, gy, xp, numpy.promote_types(x.dtype, gamma.dtype)
+
 class _GlobalStatistics(function_node.FunctionNode):
     """Statistics over the global batch from allreduced per-channel sums.
 
@@ -187,19 +206,8 @@ class DistributedBatchNormalization(_GlobalStatistics):
         return y,
 
     def backward(self, indexes, grad_outputs):
-        if chainer.config.enable_backprop:
-            raise NotImplementedError(
-                'distconv.BatchNormalization does not support double '
-                'backpropagation; call backward() without '
-                'enable_double_backprop.')
-        x, gamma = self.get_retained_inputs()
-        x, gamma = x.array, gamma.array
-        xp = backend.get_array_module(x)
-        gy = grad_outputs[0]
-        # Every process must join the reduction below, even when its
-        # output gradient is None (output unused).
-        gy = xp.zeros_like(x) if gy is None else gy.array
-        interm = numpy.promote_types(x.dtype, gamma.dtype)
+        x, gamma, gy, xp, interm = backward_inputs(
+            self, grad_outputs, 'distconv.BatchNormalization')
         c = x.shape[1]
         x3, gy3 = _flat(x), _flat(gy)
         chunks = _chunks(x3.shape, xp)
