@@ -68,12 +68,20 @@ def settings(args):
         models = args.models or ['resnet50', 'resnet18']
         # The dilation check on ResNet-18: the same method at a third of
         # ResNet-50's compute.
-        return {'models': models, 'ranks': [2, 4, 8], 'ks': [1, 2, 4],
-                'repeats': 3, 'rounds': 4, 'iterations': 3, 'warmup': 2,
-                'validation_model': 'resnet18'}
-    return {'models': args.models or ['resnet_small'], 'ranks': [2, 4],
-            'ks': [1, 2], 'repeats': 1, 'rounds': 2, 'iterations': 2,
-            'warmup': 1, 'validation_model': 'resnet_small'}
+        s = {'models': models, 'ranks': [2, 4, 8], 'ks': [1, 2, 4],
+             'repeats': 3, 'rounds': 4, 'iterations': 3, 'warmup': 2,
+             'validation_model': 'resnet18'}
+    else:
+        s = {'models': args.models or ['resnet_small'], 'ranks': [2, 4],
+             'ks': [1, 2], 'repeats': 1, 'rounds': 2, 'iterations': 2,
+             'warmup': 1, 'validation_model': 'resnet_small'}
+    # Overrides, e.g. the full dilation check (k = 1, 2, 4, three repeats)
+    # on the small ResNet: --full --validate-only --validation-model
+    # resnet_small.
+    for key in ('validation_model', 'repeats', 'rounds'):
+        if getattr(args, key) is not None:
+            s[key] = getattr(args, key)
+    return s
 
 
 def job_cfg(model, modes, s, trace=None):
@@ -331,6 +339,13 @@ def main(argv=None):
                    help='undilated link rate (default: blocking near 0.667 '
                         'at 2 ranks by the alpha-beta estimate)')
     p.add_argument('--validate-only', action='store_true')
+    p.add_argument('--validation-model', default=None,
+                   help='model of the dilation check (default: resnet18 '
+                        'with --full, else resnet_small)')
+    p.add_argument('--repeats', type=int, default=None,
+                   help='jobs per dilation in the check (full: 3)')
+    p.add_argument('--rounds', type=int, default=None,
+                   help='paired rounds per job (full: 4)')
     p.add_argument('--period-us', type=int, default=None,
                    help='cpu.cfs_period_us of each rank (default: the '
                         'shortest allowing a 1 ms quota)')
