@@ -40,8 +40,8 @@ demo: venv
 	    --optimizer overlap --batchsize 2 --iterations 6 --insize 224
 
 # make test: every tier (tests/tiers.py --list names them), the MPI ones in
-# one lane beside the unit, command and network-bed tiers in another, then
-# the tests that assert a measured time alone.  TIERS='unit mpi-2' runs some.
+# one lane beside the unit tier in a second and the command and network-bed
+# tiers in a third, then the tests that assert a measured time alone.  TIERS='unit mpi-2' runs some.
 TIERS ?=
 test: venv netbed-deps
 	$(PY) tests/tiers.py $(if $(TIERS),--only $(TIERS))
