@@ -5,6 +5,7 @@ Needs root, namespaces and the cgroup v1 ``cpu`` controller; skipped
 otherwise, with the reason.  Two 2-rank jobs of a second each.
 """
 import os
+import re
 import sys
 
 import pytest
@@ -22,15 +23,17 @@ needs_quota = pytest.mark.skipif(WHY_NOT is not None, reason=str(WHY_NOT))
 SPIN = ("import time\n"
         "cg = [l.split(':', 2)[2].strip() for l in open('/proc/self/cgroup')"
         " if ':cpu,' in l or l.split(':')[1] == 'cpu']\n"
-        "print('CGROUP', cg[0] if cg else '?', flush=True)\n"
+        "print('CGROUP', cg[0] if cg else '?', 'END', flush=True)\n"
         "t = time.time()\n"
         "while time.time() - t < 0.6:\n"
         "    pass\n")
 
 
 def _cgroups_of(result):
-    return sorted(line.split()[1] for line in result['stdout'].splitlines()
-                  if line.startswith('CGROUP'))
+    # Searched in the whole output, not line by line: in one full make test
+    # (three lanes, load 8) the line-by-line reading found one rank's line
+    # of two, as when two ranks' writes reach mpiexec's output joined.
+    return sorted(re.findall(r'CGROUP (\S+) END', result['stdout']))
 
 
 @needs_quota
@@ -40,7 +43,9 @@ def test_ranks_run_in_their_quota_and_everything_goes_away():
     with netbed.NetBed(2, '100mbit') as bed:
         plain = bed.run_mpi([sys.executable, '-c', SPIN], timeout=120)
     assert plain['returncode'] == 0, plain['stderr'][-2000:]
-    assert not any('q' in c for c in _cgroups_of(plain))
+    found = _cgroups_of(plain)
+    assert len(found) == 2 and not any('q' in c for c in found), (
+        plain['stdout'][-2000:])
 
     with cpuquota.DilatedBed(2, '100mbit', dilation=4) as bed:
         made = [os.path.join(cpuquota.CPU_ROOT, n) for n in bed.cgroups]
@@ -53,7 +58,8 @@ def test_ranks_run_in_their_quota_and_everything_goes_away():
         throttled = bed.throttled_seconds()
         record = bed.describe()['dilation']
     assert res['returncode'] == 0, res['stderr'][-2000:]
-    assert _cgroups_of(res) == sorted('/' + n for n in bed.cgroups)
+    assert _cgroups_of(res) == sorted('/' + n for n in bed.cgroups), (
+        res['stdout'][-2000:])
     # Spinning 0.6 s at a fifth of a core: each rank was held back.
     assert all(t > 0 for t in throttled), throttled
     assert record['cores_per_rank'] == pytest.approx(0.2)
