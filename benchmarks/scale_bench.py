@@ -78,16 +78,29 @@ def settings(args):
     # Overrides, e.g. the full dilation check (k = 1, 2, 4, three repeats)
     # on the small ResNet: --full --validate-only --validation-model
     # resnet_small.
-    for key in ('validation_model', 'repeats', 'rounds'):
-        if getattr(args, key) is not None:
+    for key in ('validation_model', 'repeats', 'rounds', 'insize', 'batch'):
+        if getattr(args, key, None) is not None:
             s[key] = getattr(args, key)
     return s
 
 
+def quiet_note(load):
+    """What the load at the start says of the figures."""
+    if load[0] < 0.5:
+        return ('quiet machine: 1-minute load {:.2f} at the start (see '
+                'loadavg fields per job)'.format(load[0]))
+    return ('measured under load (1-minute load {:.2f} at the start): '
+            'rerun on a quiet machine for final figures'.format(load[0]))
+
+
 def job_cfg(model, modes, s, trace=None):
     small = model == 'resnet_small'
-    return {'model': model, 'batch': 16 if small else 4,
-            'insize': 64 if small else 224, 'iterations': s['iterations'],
+    # --insize / --batch size the ResNet-18/-50 jobs; the small ResNet
+    # keeps its own setting (it is the quick model and the dilation check's).
+    return {'model': model,
+            'batch': 16 if small else s.get('batch') or 4,
+            'insize': 64 if small else s.get('insize') or 224,
+            'iterations': s['iterations'],
             'warmup': s['warmup'], 'settle': 1, 'modes': list(modes),
             'bucket_size': None, 'rounds': s['rounds'], 'trace': trace}
 
@@ -316,8 +329,8 @@ def plot(result, path):
                          [r['modes']['overlap_forward']['scalability']
                           for r in rows], fmt='ko', capsize=3,
                          label='measured ours, {} (bed{})'.format(
-                             model, ', under load' if 'load' in
-                             result.get('note', '') else ''))
+                             model, '' if result.get('note', '').startswith(
+                                 'quiet') else ', under load'))
     if result.get('measured'):
         axes[0].legend(fontsize=6, loc='lower right')
     axes[0].set_ylabel('scalability')
@@ -346,6 +359,12 @@ def main(argv=None):
                    help='jobs per dilation in the check (full: 3)')
     p.add_argument('--rounds', type=int, default=None,
                    help='paired rounds per job (full: 4)')
+    p.add_argument('--insize', type=int, default=None,
+                   help='image size of the ResNet-18/-50 jobs (default 224; '
+                        'the small ResNet keeps 64)')
+    p.add_argument('--batch', type=int, default=None,
+                   help='batch per rank of the ResNet-18/-50 jobs '
+                        '(default 4)')
     p.add_argument('--period-us', type=int, default=None,
                    help='cpu.cfs_period_us of each rank (default: the '
                         'shortest allowing a 1 ms quota)')
@@ -353,7 +372,10 @@ def main(argv=None):
                    help='no dilation check (run it with --validate-only)')
     p.add_argument('--project-only', action='store_true',
                    help='only the projection, from --trace (no root)')
-    p.add_argument('--trace', default=None)
+    p.add_argument('--trace', default=None,
+                   help='project this trace (with --project-only: only '
+                        'that, keeping the bed sections of --out; in a bed '
+                        'run: instead of the first measured model\'s)')
     p.add_argument('--algorithms', default=None,
                    help='long-message allreduce(s) of the projection: '
                         'halving (MPICH\'s), ring; comma-separated (default '
@@ -384,19 +406,12 @@ def main(argv=None):
                            'replay and projection',
               'config': dict(s, full=args.full), 'machine':
               machine.machine_description(),
-              'note': 'measured while other work may run on this machine '
-                      '(see loadavg fields); rerun on a quiet machine for '
-                      'final figures'}
+              'note': quiet_note(os.getloadavg())}
     if args.project_only:
         if not args.trace:
             raise SystemExit('--project-only needs --trace FILE')
-        with open(args.trace) as f:
-            tr = json.load(f)
-        result['replay_vs_trace_run'] = replay_trace_run(args.trace, tr, log)
-        result['projection'] = projection(args.trace, tr, log, not args.full,
-                                          args.algorithms.split(','))
-        result['projection']['trace'] = args.trace
-        result['projection']['model'] = tr.get('model')
+        project_trace(result, args, log)
+        keep_bed_sections(result, args.out, log)
         return finish(result, args, log)
     netbed.require_root()
     if not cpuquota.cpu_controller_available():
@@ -432,7 +447,7 @@ def main(argv=None):
             json.dump(tr, f, indent=1)
         result.setdefault('traces', {})[model] = os.path.relpath(tpath, ROOT)
         result['replay_vs_bed'][model] = replay_measured(tpath, rows, log)
-        if model == s['models'][0]:
+        if model == s['models'][0] and not args.trace:
             # The replay at the traced run's own ranks and link.
             result['replay_vs_trace_run'] = dict(
                 result['replay_vs_bed'][model][0],
@@ -440,7 +455,40 @@ def main(argv=None):
             result['projection'] = projection(tpath, tr, log, not args.full,
                                               args.algorithms.split(','))
             result['projection']['model'] = model
+    if args.trace:
+        # The projection of a given trace (e.g. the calibrated ResNet-50
+        # run) beside bed measurements of other models.
+        project_trace(result, args, log)
     return finish(result, args, log)
+
+
+def project_trace(result, args, log):
+    with open(args.trace) as f:
+        tr = json.load(f)
+    result['replay_vs_trace_run'] = replay_trace_run(args.trace, tr, log)
+    result['projection'] = projection(args.trace, tr, log, not args.full,
+                                      args.algorithms.split(','))
+    result['projection']['trace'] = args.trace
+    result['projection']['model'] = tr.get('model')
+
+
+BED_SECTIONS = ('validation', 'measured', 'replay_vs_bed', 'traces')
+
+
+def keep_bed_sections(result, path, log):
+    """A projection rerun keeps the bed measurements already in ``path``
+    (with the configuration and machine they were taken on)."""
+    if not os.path.exists(path):
+        return
+    with open(path) as f:
+        old = json.load(f)
+    kept = [key for key in BED_SECTIONS if key in old]
+    for key in kept:
+        result[key] = old[key]
+    if kept:
+        result['config_bed'] = old.get('config_bed', old.get('config'))
+        result['machine_bed'] = old.get('machine_bed', old.get('machine'))
+        log('kept the bed sections of {}: {}'.format(path, ', '.join(kept)))
 
 
 def finish(result, args, log):
