@@ -65,10 +65,34 @@ def measured_table(results=RESULTS):
                                    for k in ('ours', 'blocking') if k in rep))
             rows.append(cells)
     return Table('Measured on the dilated bed: scalability [95 %% interval] '
-                 'at dilation k; %s' % ('taken under load' if 'load' in
-                                        d.get('note', '') else 'quiet'),
+                 'at dilation k; %s' % load_words(d),
                  ['model', 'ranks', 'k'] + [l for _, l in MODES]
         + ['replay - bed'], rows, [SOURCE])
+
+
+def load_words(d):
+    return ('quiet machine' if d.get('note', '').startswith('quiet')
+            else 'taken under load')
+
+
+def validation_table(results=RESULTS):
+    """The dilation check: 2 ranks at every k, each mode's pooled
+    per-round scalability, and the spread between the k."""
+    v = load(SOURCE, results)['validation']
+    ks = sorted(v['by_k'], key=float)
+    modes = [m for m, _ in MODES if m in v['by_k'][ks[0]]]
+    rows = []
+    for mode in modes:
+        rows.append([dict(MODES)[mode]] + [
+            interval_text({'median': v['by_k'][k][mode]['scalability'],
+                           'ci': v['by_k'][k][mode]['ci']}) for k in ks]
+            + ['%d' % len(v['by_k'][ks[0]][mode]['rounds']),
+               f3(v['largest_difference_between_k'][mode])])
+    return Table('Dilation check: %s, 2 ranks, scalability [95 %% interval] '
+                 'at each dilation k; %s' % (v['model'], load_words(
+                     load(SOURCE, results))),
+                 ['mode'] + ['k = %s' % k for k in ks]
+                 + ['rounds per k', 'largest difference'], rows, [SOURCE])
 
 
 def _row(rows, nodes, rate):
@@ -118,12 +142,17 @@ def register(results=RESULTS):
     if not os.path.isfile(path):
         TABLES.pop('scale-projection', None)
         TABLES.pop('scale-measured', None)
+        TABLES.pop('scale-validation', None)
         return False
     table('scale-projection')(projection_table)
-    if load(SOURCE, results).get('measured'):
-        table('scale-measured')(measured_table)
-    else:
-        TABLES.pop('scale-measured', None)
+    d = load(SOURCE, results)
+    for name, fn, key in (('scale-measured', measured_table, 'measured'),
+                          ('scale-validation', validation_table,
+                           'validation')):
+        if d.get(key):
+            table(name)(fn)
+        else:
+            TABLES.pop(name, None)
     return True
 
 
