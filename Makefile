@@ -170,8 +170,10 @@ test-wheel: venv
 # benchmarks/results/channel_tiling.json.  CHANNEL_TILING_ARGS passes
 # options, e.g. '--quick'.  Last, the 3-D U-Net of
 # examples/spatial/train_unet3d_spatial.py at 1 -> 2 processes: strong
-# scaling and memory per process against one process,
-# benchmarks/results/unet.json.  UNET_ARGS passes options, e.g. '--insize 64'.
+# scaling (as root on the network test bed, else over shared memory), the
+# bound of each rank computing its block with no exchange, and memory per
+# process against one process, benchmarks/results/unet.json.  UNET_ARGS
+# passes options, e.g. '--insize 64' or '--rate 100mbit'.
 SPATIAL_ARGS ?=
 CHANNEL_TILING_ARGS ?=
 UNET_ARGS ?=

@@ -153,14 +153,7 @@ def _halo_modes(grid, dist, x_local, mpi, rounds, link=None):
             'exchanges_complete_before_wait': (ready / total if total
                                                else None)}
         if link:
-            tot = {k: mpi.allreduce(sum(c[k] for c in counts[name]))
-                   for k in distconv_jobs.LINK_COUNTERS}
-            tx = mpi.allgather(float(np.median(
-                [c['tx_bytes'] for c in counts[name]])))
-            out[name]['link'] = dict(
-                {k: tot[k] for k in distconv_jobs.LINK_COUNTERS
-                 if k != 'tx_bytes'},
-                median_tx_bytes_per_step_per_rank=tx)
+            out[name]['link'] = distconv_jobs.link_summary(mpi, counts[name])
     return out
 
 
@@ -196,12 +189,9 @@ def _worker_cmd(args, scaling):
 
 def _netbed_run(args, rate):
     """Runs :func:`halo_worker` on 2 ranks over a link of ``rate``."""
-    from testbed import netbed
-    with netbed.NetBed(2, rate) as bed:
-        desc = bed.describe()
-        res = bed.run_mpi(_worker_cmd(args, 'halo'),
-                          timeout=args.netbed_timeout,
-                          env=launch.worker_env())
+    res, record = distconv_jobs.bed_job(2, _worker_cmd(args, 'halo'),
+                                        args.netbed_timeout, rate)
+    desc = record['bed']
     run = distconv_jobs.job_result(
         res, RESULT_TAG,
         'spatial_bench: the shaped-link halo run at %s' % rate)
@@ -219,7 +209,9 @@ def _netbed_run(args, rate):
         rate=rate, rate_bit_per_s=desc['rate_bit_per_s'],
         seconds=res['seconds'],
         bed={k: desc[k] for k in ('topology', 'tbf_burst_bytes',
-                                  'tc_commands', 'pinning', 'mpi_env')})
+                                  'tc_commands', 'pinning', 'mpi_env')},
+        loadavg_before=record['loadavg_before'],
+        loadavg_after=record['loadavg_after'])
     return run
 
 

@@ -5,11 +5,13 @@ Used by :mod:`benchmarks.spatial_bench` and
 
 * :func:`mpiexec` and :func:`job_result`: one job of a study's worker on
   this machine, and its tagged result line (or the job's output and exit);
+  :func:`bed_job`: the same job on the network test bed, with its record;
 * :func:`step_memory`: the bytes numpy holds during one step
   (tracemalloc);
 * :func:`quiet_barrier`: a barrier that sleeps, so waiting ranks leave the
   cores to the rank being timed;
-* :func:`link_counters`: a namespace's link counters (shaped-link runs);
+* :func:`link_counters`: a namespace's link counters (shaped-link runs),
+  and :func:`link_summary`, their sums over steps and ranks;
 * :func:`emulate_latency`: a one-way latency added in distconv's message
   layer, where the kernel has no ``netem``; :func:`why_no_netbed`: why
   the test bed cannot run here, if it cannot;
@@ -36,6 +38,27 @@ def mpiexec(n, cmd, timeout):
                          timeout=timeout)
     return {'returncode': res.returncode, 'stdout': res.stdout,
             'stderr': res.stderr}
+
+
+def bed_job(n, cmd, timeout, rate, delay=None):
+    """Runs ``cmd`` at ``n`` ranks on the network test bed.
+
+    Each rank in a network namespace of its own, pinned to a core, MPICH
+    over TCP through veth links shaped to ``rate`` (and ``delay`` one way,
+    if given): :class:`testbed.netbed.NetBed`.
+
+    Returns:
+        tuple: the job's result (as :func:`mpiexec`'s, plus ``seconds``) and
+        its record: ``bed`` (``NetBed.describe()``), ``loadavg_before`` and
+        ``loadavg_after`` (of this machine, around the bed's life).
+    """
+    from testbed import netbed
+    load_before = os.getloadavg()
+    with netbed.NetBed(n, rate, delay=delay) as bed:
+        desc = bed.describe()
+        res = bed.run_mpi(cmd, timeout=timeout, env=launch.worker_env())
+    return res, {'bed': desc, 'loadavg_before': load_before,
+                 'loadavg_after': os.getloadavg()}
 
 
 def job_result(res, tag, what):
@@ -112,6 +135,19 @@ def link_counters():
             'tail_loss_probes': out.get('TcpExt:TCPLossProbes', 0),
             'rto_timeouts': out.get('TcpExt:TCPTimeouts', 0),
             'qdisc_dropped': dropped}
+
+
+def link_summary(mpi, counts):
+    """:func:`link_counters` differences of one rank's steps (``counts``, a
+    list of dicts), summed over steps and ranks, and every rank's median
+    bytes sent per step (``median_tx_bytes_per_step_per_rank``).  Collective:
+    every rank calls it."""
+    import numpy as np
+    tot = {k: mpi.allreduce(sum(c[k] for c in counts))
+           for k in LINK_COUNTERS if k != 'tx_bytes'}
+    tot['median_tx_bytes_per_step_per_rank'] = mpi.allgather(float(
+        np.median([c['tx_bytes'] for c in counts])))
+    return tot
 
 
 class LatePending(object):
