@@ -86,10 +86,12 @@ def calibrate_reference(trace_path, efficiency, **options):
 
 
 def project(trace_path, compute_scale, efficiency, step_overhead_s,
-            nodes=NODES, rates=RATES, algorithm='halving', log=None):
+            nodes=NODES, rates=RATES, algorithm='halving', log=None,
+            chunk_bytes=None):
     """Ours (with the communication thread's CPU time as recorded, and
     without: ``ours_no_interference``), blocking and the overlap bound at
-    every (nodes, rate)."""
+    every (nodes, rate).  ``chunk_bytes``: the engine's chunk at every N
+    (default: the trace's, grown with N for a ring)."""
     rows = []
     for rate in rates:
         for n in nodes:
@@ -103,7 +105,8 @@ def project(trace_path, compute_scale, efficiency, step_overhead_s,
                            mode.split('_')[0], compute_scale=compute_scale,
                            efficiency=efficiency,
                            step_overhead=step_overhead_s * compute_scale,
-                           algorithm=algorithm, **extra)
+                           algorithm=algorithm, chunk_bytes=chunk_bytes,
+                           **extra)
                 row[mode] = r['scalability']
                 if mode == 'ours':
                     row['agreements_per_iteration'] = r[

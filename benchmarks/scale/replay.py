@@ -31,7 +31,8 @@ half the one-way latency.  Each rank runs two actors:
   its next chunk of ``chunk_bytes`` as MPICH's long-message allreduce
   (recursive halving then doubling, 2 log2 N steps; ``--algorithm ring``:
   2 (N - 1) steps of chunk / N bytes to the right neighbour, as NCCL's
-  ring); each engine step also costs
+  ring, whose chunk grows with N as the engine's: ``max(chunk, 2 MiB *
+  N)``, unless ``--chunk-bytes`` fixes it); each engine step also costs
   the measured software time of the trace (``engine.step_overhead_s``).
 
 ``--mode blocking`` replays ChainerMN's blocking optimizer: compute, then
@@ -57,15 +58,33 @@ network with identical ranks each host link carries one flow per
 direction at any N, so this changes only the number of actors.
 """
 import argparse
+import importlib.util
 import json
 import math
 import os
 import re
 import sys
 
+
+def _load(*parts):
+    """A standard-library module of the project, loaded by path: importing
+    its package would import Chainer, which the system Python lacks."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    spec = importlib.util.spec_from_file_location(
+        '_cmo_' + parts[-1][:-3], os.path.join(here, *parts))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+# The engine's chunk rule, and the platform.
+chunking = _load('..', '..', 'chainermn_overlap', 'communication',
+                 'chunking.py')
+_platform = _load('platform.py')
+platform_xml, TOPOLOGIES = _platform.platform_xml, _platform.TOPOLOGIES
+
 FORMAT = 'chainermn_overlap-replay-trace/1'
 MODES = ('ours', 'blocking', 'bound')
-TOPOLOGIES = ('star', 'fat_tree')
 # Long-message allreduce: MPICH's recursive halving/doubling
 # (Rabenseifner), or a ring (NCCL's, 2 (N-1) latency terms).
 ALGORITHMS = ('halving', 'ring')
@@ -155,46 +174,6 @@ def load_trace(path):
         return validate_trace(json.load(f))
 
 
-# --------------------------------------------------------------- platform
-
-def platform_xml(hosts, rate_bit_per_s, latency_s, topology='star',
-                 efficiency=1.0):
-    """SimGrid platform (XML, version 4.1) of ``hosts`` ranks.
-
-    ``latency_s`` is the one-way host-to-host latency; a path crosses two
-    host links (``star``) or, in the fat-tree, up to four, so each link of
-    a star carries half of it and each fat-tree link a quarter (so that the
-    farthest pair sees ``latency_s``).
-    """
-    if hosts < 1:
-        raise ValueError('a platform needs at least one host')
-    if topology not in TOPOLOGIES:
-        raise ValueError('topology must be one of {}, got {!r}'.format(
-            TOPOLOGIES, topology))
-    bw = '{!r}Bps'.format(rate_bit_per_s * efficiency / 8.0)
-    head = ("<?xml version='1.0'?>\n<!DOCTYPE platform SYSTEM "
-            "\"https://simgrid.org/simgrid.dtd\">\n<platform version=\"4.1\">"
-            "\n")
-    if topology == 'star':
-        lat = '{!r}s'.format(latency_s / 2.0)
-        body = (' <cluster id="ranks" prefix="h" suffix="" radical="0-{}" '
-                'speed="1f" bw="{}" lat="{}" bb_bw="1e15Bps" bb_lat="0s" '
-                'sharing_policy="SPLITDUPLEX" bb_sharing_policy="FATPIPE"/>\n'
-                .format(hosts - 1, bw, lat))
-    else:
-        # Two levels, full bisection: leaves of `down` hosts, each leaf
-        # with `down` uplinks to as many spines.
-        down = max(1, int(math.ceil(math.sqrt(hosts))))
-        leaves = int(math.ceil(hosts / down))
-        lat = '{!r}s'.format(latency_s / 4.0)
-        body = (' <cluster id="ranks" prefix="h" suffix="" radical="0-{}" '
-                'speed="1f" bw="{}" lat="{}" topology="FAT_TREE" '
-                'topo_parameters="2;{},{};1,{};1,1" '
-                'sharing_policy="SPLITDUPLEX"/>\n'.format(
-                    leaves * down - 1, bw, lat, down, leaves, down))
-    return head + body + '</platform>\n'
-
-
 # ---------------------------------------------------------- closed forms
 
 def ring_allreduce_seconds(nodes, nbytes, latency_s, bytes_per_s):
@@ -240,7 +219,7 @@ class Replay(object):
     def __init__(self, trace, nodes, rate_bit_per_s, latency_s, mode='ours',
                  topology='star', efficiency=1.0, compute_scale=1.0,
                  iterations=4, exact_hosts=8, step_overhead_s=None,
-                 algorithm='halving', interference=True):
+                 algorithm='halving', interference=True, chunk_bytes=None):
         import simgrid
         if mode not in MODES:
             raise ValueError('mode must be one of {}'.format(MODES))
@@ -262,7 +241,11 @@ class Replay(object):
         self.latency = latency_s
         self.bps = rate_bit_per_s * efficiency / 8.0
         eng = trace['engine']
-        self.chunk_bytes = int(eng['chunk_bytes'])
+        # The recorded chunk (MPI's); a ring's grows with N as the engine's.
+        self.chunk_bytes = int(chunk_bytes or eng['chunk_bytes'])
+        if algorithm == 'ring' and not chunk_bytes:
+            self.chunk_bytes = max(self.chunk_bytes,
+                                   chunking.ring_chunk_bytes(nodes))
         self.step_overhead = (eng['step_overhead_s'] if step_overhead_s is None
                               else step_overhead_s)
         self.layers = trace['layers']
@@ -580,6 +563,10 @@ def main(argv=None):
                         'time from compute, as with a GPU or a spare core)')
     p.add_argument('--algorithm', choices=ALGORITHMS, default='halving',
                    help='long-message allreduce (default: MPICH\'s)')
+    p.add_argument('--chunk-bytes', type=int, default=None,
+                   help="ours: the engine's chunk at any N (default: the "
+                        "trace's; with --algorithm ring, grown with N as "
+                        "the engine's ring chunk)")
     args = p.parse_args(argv)
     trace = load_trace(args.trace)
     rep = Replay(trace, args.nodes, parse_rate(args.rate),
@@ -588,7 +575,7 @@ def main(argv=None):
                  args.exact_hosts,
                  None if args.step_overhead is None
                  else parse_seconds(args.step_overhead), args.algorithm,
-                 not args.no_interference)
+                 not args.no_interference, args.chunk_bytes)
     sys.stdout.write(json.dumps(rep.run()) + '\n')
     return 0
 

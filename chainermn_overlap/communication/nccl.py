@@ -51,7 +51,7 @@ import chainer
 from chainermn_overlap._host import to_host
 from chainermn_overlap.communication import engine as engine_module
 from chainermn_overlap.communication import streams as streams_module
-from chainermn_overlap.communication.scheduler import DEFAULT_CHUNK_BYTES
+from chainermn_overlap.communication.chunking import ring_chunk_bytes
 from chainermn_overlap.communication.scheduler import PriorityMpiBackend
 from chainermn_overlap.errors import CommunicationError
 from chainermn_overlap.errors import CommunicationTimeout
@@ -152,6 +152,11 @@ class NcclEngine(PriorityMpiBackend):
             stand-in :class:`~chainermn_overlap.communication.streams.
             CpuStreams` runs the same engine on numpy arrays.
         chunk_bytes (int): largest piece issued as one collective.
+            Default: NCCL's allreduce is a ring, so the chunk grows with
+            the ranks, ``max(4 MiB, 2 MiB * N)``, for each of its
+            ``2 (N - 1)`` steps to move at least 2 MiB
+            (:func:`~chainermn_overlap.communication.chunking.
+            ring_chunk_bytes`; 4 MiB at two ranks); a given value is kept.
         max_inflight (int): chunks on the stream at once; the engine waits
             for the oldest before issuing more.
         sync (str): ``'stream'``: a wait makes the caller's current stream
@@ -166,7 +171,7 @@ class NcclEngine(PriorityMpiBackend):
     name = 'nccl'
 
     def __init__(self, mpi_comm: Any, *, streams: Any = None,
-                 chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+                 chunk_bytes: Optional[int] = None,
                  max_inflight: int = 4, sync: str = 'stream',
                  poll: float = 0.002, **options: Any) -> None:
         if sync not in SYNC_MODES:
@@ -191,7 +196,8 @@ class NcclEngine(PriorityMpiBackend):
         self._records = {}
         self._inflight = collections.deque()
         self._tls = threading.local()
-        super().__init__(mpi_comm, chunk_bytes=chunk_bytes, **options)
+        super().__init__(mpi_comm, chunk_bytes=ring_chunk_bytes(
+            mpi_comm.Get_size(), chunk_bytes), **options)
 
     # -- posting (caller's thread) ---------------------------------------
 

@@ -31,12 +31,11 @@ from typing import Any, Collection, Mapping, Optional
 
 import numpy
 
+from chainermn_overlap.communication.chunking import DEFAULT_CHUNK_BYTES
 from chainermn_overlap.communication.engine import Engine
 from chainermn_overlap.communication.engine import Handle
 
 __all__ = ['DEFAULT_CHUNK_BYTES', 'PriorityMpiBackend', 'choose']
-
-DEFAULT_CHUNK_BYTES = 4 * 1024 * 1024
 
 
 class _Item(object):

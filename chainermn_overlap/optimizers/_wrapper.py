@@ -12,7 +12,8 @@ import chainermn
 from chainermn_overlap import _mpi_json
 from chainermn_overlap import config
 from chainermn_overlap.communication import backends
-from chainermn_overlap.communication.scheduler import DEFAULT_CHUNK_BYTES
+from chainermn_overlap.communication.chunking import DEFAULT_CHUNK_BYTES
+from chainermn_overlap.communication.chunking import ring_chunk_bytes
 
 
 class OptimizerWrapper(object):
@@ -123,18 +124,23 @@ def check_wire_dtype(allreduce_grad_dtype):
 
 
 def resolve_bucket_size(bucket_size, shard, wire_dtype, compression,
-                        chunk_size, default):
+                        chunk_size, default, nodes=2):
     """The fusion bucket size in bytes (see create_overlapped_optimizer)."""
     if bucket_size is not None:
         return config.parse_size(bucket_size)
-    if shard is not None or (wire_dtype is not None and wire_dtype.itemsize
-                             < 4 and compression is None):
-        # A sharded bucket's reduce-scatter and update, and the float16
-        # ring, run whole (the engine cannot slice them): buckets of one
-        # chunk keep what the next forward needs from waiting behind a
-        # large one.
-        return (config.parse_size(chunk_size) if chunk_size is not None
-                else DEFAULT_CHUNK_BYTES)
+    chunk = config.parse_size(chunk_size) if chunk_size is not None else None
+    if shard is not None:
+        # A sharded bucket's reduce-scatter and update run whole (the
+        # engine cannot slice them): buckets of one chunk keep what the
+        # next forward needs from waiting behind a large one.
+        return chunk if chunk is not None else DEFAULT_CHUNK_BYTES
+    if wire_dtype is not None and wire_dtype.itemsize < 4 and (
+            compression is None):
+        # The float16 ring runs a bucket whole, as one chunk: the ring's
+        # chunk for ``nodes`` ranks (the default chunk at two ranks), at
+        # most the float32 bucket (larger would cost overlap).
+        return (chunk if chunk is not None
+                else min(default, ring_chunk_bytes(nodes)))
     return default
 
 

@@ -418,8 +418,8 @@ def create_overlapped_optimizer(
             every ``update()``).
         bucket_size (int or str): fusion bucket size, in bytes or as a
             string such as ``'25MB'``.  Default 16 MiB (with a float16
-            wire: the chunk size, 4 MiB, as the ring runs a bucket whole).
-            With
+            wire the ring runs a bucket whole: the ring's chunk, 4 MiB at
+            two ranks, ``min(16 MiB, 2 MiB * N)`` above).  With
             ``wait='forward'`` the last four buckets (the first layers, which
             the next forward needs first) are limited to 1, 2, 4 and 8 MiB.
         zero_fill (bool): accepted for compatibility.  Missing gradients
@@ -529,7 +529,7 @@ def create_overlapped_optimizer(
     shard = shard_opts.mode
     bucket_size = _wrapper.resolve_bucket_size(
         bucket_size, shard, allreduce_grad_dtype, compression, chunk_size,
-        DEFAULT_BUCKET_SIZE)
+        DEFAULT_BUCKET_SIZE, communicator.size)
     _wrapper.check_compression(compression, allreduce_grad_dtype)
     if backend is not None:
         backends.get_backend(backend)

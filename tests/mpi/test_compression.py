@@ -286,8 +286,9 @@ def test_powersgd_bad_arguments(comm):
 
 def test_float16_wire_buckets_default_to_one_chunk(comm):
     # The float16 ring runs a bucket whole: by default its buckets are one
-    # chunk (4 MiB) so that an urgent bucket never waits behind a large
-    # one; an explicit bucket_size is kept.
+    # ring chunk (4 MiB at two ranks, 2 MiB per rank beyond, at most the
+    # float32 bucket) so that an urgent bucket never waits behind a large
+    # one; an explicit chunk or bucket_size is kept.
     def size_of(**options):
         opt = chainermn_overlap.create_overlapped_optimizer(
             chainer.optimizers.SGD(), comm, **options)
@@ -295,7 +296,8 @@ def test_float16_wire_buckets_default_to_one_chunk(comm):
             return opt._overlap.layout.bucket_size
         finally:
             opt.close()
-    assert size_of(allreduce_grad_dtype=np.float16) == 4 * 2 ** 20
+    assert size_of(allreduce_grad_dtype=np.float16) == \
+        min(16, max(4, 2 * comm.size)) * 2 ** 20
     assert size_of(allreduce_grad_dtype=np.float16,
                    chunk_size='1MiB') == 2 ** 20
     assert size_of(allreduce_grad_dtype=np.float16,

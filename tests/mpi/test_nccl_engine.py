@@ -196,6 +196,28 @@ def test_every_rank_issues_the_same_chunks_by_priority():
         np.testing.assert_array_equal(a, SIZE * (SIZE + 1) / 2.0)
 
 
+def test_the_default_chunk_grows_with_the_ranks_an_explicit_one_is_kept():
+    # NCCL's allreduce is a ring: by default each of its 2 (N - 1) steps
+    # moves at least 2 MiB, so a chunk is max(4 MiB, 2 MiB * N): 12 MiB
+    # goes as 4+4+4 MiB at two ranks (as before), 6+6 at three, 8+4 at
+    # four.  A chunk the user gives is kept at any size.
+    want = {2: [4, 4, 4], 3: [6, 6], 4: [8, 4]}.get(SIZE)
+    if want is None:
+        pytest.skip('pieces stated for 2 to 4 ranks')
+    issued = {}
+    for given in (None, 4 << 20):
+        engine = make(chunk_bytes=given)
+        engine.collective = rec = Recording(engine.collective)
+        a = np.full(3 << 20, RANK + 1.0, np.float32)
+        try:
+            engine.allreduce(a, label='12 MiB').wait()
+        finally:
+            engine.close()
+        issued[given] = [buf.nbytes >> 20 for buf, _ in rec.issued]
+        np.testing.assert_array_equal(a, SIZE * (SIZE + 1) / 2.0)
+    assert issued == {None: want, 4 << 20: [4, 4, 4]}, issued
+
+
 def test_rounds_never_interleave_and_fifo_within_equal_priority():
     engine = make(chunk_bytes=4, max_inflight=3)
     engine.collective = rec = Recording(engine.collective)

@@ -230,3 +230,31 @@ def test_fewer_simulated_hosts_give_the_same_iteration(tmp_path, algorithm):
     assert [o['simulated_hosts'] for o in out] == [16, 4]
     assert out[1]['iteration_s'] == pytest.approx(out[0]['iteration_s'],
                                                   rel=1e-9)
+
+
+@pytest.mark.skipif(_simgrid_missing() is not None,
+                    reason='python3-simgrid is not installed')
+def test_ring_chunk_grown_with_n_at_1024_nodes():
+    # The recorded ResNet-50 at a GPU-class iteration, 1,024 nodes, 10 Gb/s,
+    # ring.  With the fixed 4 MiB chunk each of ~30 chunks costs 2 (N - 1)
+    # latencies for 4 KiB a step: the projection collapses.  With the
+    # engine's rule (chunk max(4 MiB, 2 MiB N)) each bucket is one ring,
+    # and what the communication thread spends is the alpha-beta time of
+    # one ring per item, within 5 % (agreements and engine steps).
+    path = os.path.join(ROOT, 'benchmarks', 'results',
+                        'scale_trace.resnet50.json')
+    t = replay.load_trace(path)
+    scale = project.GPU_CLASS['iteration_s'] / t['alone_iteration_s']
+    rate, lat, eff = 10e9, 25e-6, 0.96
+    common = dict(compute_scale=scale, efficiency=eff, algorithm='ring',
+                  iterations=3, step_overhead=t['engine']['step_overhead_s']
+                  * scale)
+    fixed = project.replay(path, 1024, rate, lat, 'ours',
+                           chunk_bytes=4 << 20, **common)
+    grown = project.replay(path, 1024, rate, lat, 'ours', **common)
+    assert fixed['scalability'] < 0.2
+    assert grown['scalability'] > 2 * fixed['scalability']
+    ring = sum(replay.ring_allreduce_seconds(1024, b['bytes'], lat,
+                                             rate * eff / 8)
+               for b in t['buckets'])
+    assert ring <= grown['comm_busy_s_per_iteration'] <= 1.05 * ring
