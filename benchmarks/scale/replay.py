@@ -31,8 +31,8 @@ half the one-way latency.  Each rank runs two actors:
   its next chunk of ``chunk_bytes`` as MPICH's long-message allreduce
   (recursive halving then doubling, 2 log2 N steps; ``--algorithm ring``:
   2 (N - 1) steps of chunk / N bytes to the right neighbour, as NCCL's
-  ring, whose chunk grows with N as the engine's: ``max(chunk, 2 MiB *
-  N)``, unless ``--chunk-bytes`` fixes it); each engine step also costs
+  ring, whose chunk grows with N as the engine's: ``max(chunk, 256 KiB
+  * N)``, unless ``--chunk-bytes`` fixes it); each engine step also costs
   the measured software time of the trace (``engine.step_overhead_s``).
 
 ``--mode blocking`` replays ChainerMN's blocking optimizer: compute, then

@@ -24,7 +24,7 @@ FIXED_CHUNK_BYTES = 4 << 20
 VARIANTS = {
     'ring_fixed_4mib': ('ring', FIXED_CHUNK_BYTES,
                         'ring, the 4 MiB chunk at every N (before)'),
-    'ring_grown': ('ring', None, 'ring, chunk max(4 MiB, 2 MiB * N) (after)'),
+    'ring_grown': ('ring', None, 'ring, chunk max(4 MiB, 256 KiB * N) (after)'),
     'halving': ('halving', None, "MPICH's halving, the trace's 4 MiB chunk")}
 
 

@@ -8,14 +8,20 @@ a 4 MiB chunk moves 4 KiB per step, a third of a microsecond at 100 Gb/s
 against a latency of 5 to 25 microseconds.  So a ring's chunk grows with
 ``N`` so that each step moves at least :data:`RING_SEGMENT_BYTES`.
 
-The segment: a step's latency should be a small fraction of its transfer
-time, ``alpha <= f * s / B``, i.e. ``s >= alpha B / f``.  For links of
-10 to 100 Gb/s and latencies of 5 to 20 microseconds, ``alpha B`` is
-6 KB (10 Gb/s, 5 us) to 250 KB (100 Gb/s, 20 us); 2 MiB keeps the latency
-within 12 % of the transfer at the worst corner (1.2 % at 10 Gb/s and
-20 us).  2 MiB is also exactly what each step moves at two ranks with the
-default chunk (4 MiB / 2), so the rule leaves two ranks as they were:
-``max(4 MiB, 2 MiB * N)`` is 4 MiB for N <= 2.
+The segment trades the ring's latency against the priority engine's
+preemption: a more urgent bucket can start only at a chunk boundary, so a
+chunk larger than needed makes what the next forward needs wait.  A step's
+latency is ``alpha B / s`` of its transfer time.  The fixed 4 MiB chunk
+moves 256 KiB a step at 16 ranks, where the SimGrid projection of
+ResNet-50 (``benchmarks/results/scale_ring_chunks.json``) still matches
+MPICH's halving within 0.01 at 10, 25 and 100 Gb/s; with 256 KiB a step,
+``alpha B`` (6 KB at 10 Gb/s and 5 us, 62 KB at 25 Gb/s and 20 us) is 2 %
+to 24 % of it (at 100 Gb/s and 20 us as much as the step's transfer, 21
+us: short either way).  A 2 MiB segment cost 0.076 of scalability at 16
+ranks on 10 Gb/s in the same projection (GPU-class compute, without the
+communication thread's CPU time: whole 16 MiB buckets ahead of the first
+layers'), so the segment is 256 KiB: the chunk is the default 4 MiB up to
+16 ranks, exactly as before, and grows beyond.
 
 This module imports nothing beyond the standard library: the SimGrid
 replay (``benchmarks/scale/replay.py``, run by the system Python without
@@ -28,11 +34,10 @@ __all__ = ['DEFAULT_CHUNK_BYTES', 'RING_SEGMENT_BYTES', 'ring_chunk_bytes']
 # chunk boundary); what a ring uses at two ranks.
 DEFAULT_CHUNK_BYTES = 4 * 1024 * 1024
 # The least a ring step moves with the default chunk (see the module).
-RING_SEGMENT_BYTES = 2 * 1024 * 1024
+RING_SEGMENT_BYTES = 256 * 1024
 
 
-def ring_chunk_bytes(nodes, chunk_bytes=None,
-                     segment_bytes=RING_SEGMENT_BYTES):
+def ring_chunk_bytes(nodes, chunk_bytes=None, segment_bytes=None):
     """The chunk a ring allreduce over ``nodes`` ranks reduces at once.
 
     Args:
@@ -40,11 +45,12 @@ def ring_chunk_bytes(nodes, chunk_bytes=None,
         chunk_bytes (int or None): the user's explicit chunk, kept as
             given (it is a choice of preemption granularity the user made;
             the rule never overrides it); None for the default rule.
-        segment_bytes (int): least bytes per ring step under the default.
+        segment_bytes (int): least bytes per ring step under the default
+            (default :data:`RING_SEGMENT_BYTES`, read at the call).
 
     Returns:
         int: ``chunk_bytes`` if given, else ``max(DEFAULT_CHUNK_BYTES,
-        segment_bytes * nodes)`` (exactly the default chunk at two ranks).
+        segment_bytes * nodes)``: the default chunk up to 16 ranks.
     """
     if chunk_bytes is not None:
         if int(chunk_bytes) < 1:
@@ -54,4 +60,6 @@ def ring_chunk_bytes(nodes, chunk_bytes=None,
     if int(nodes) < 1:
         raise ValueError('a ring needs at least one rank, got {!r}'
                          .format(nodes))
+    if segment_bytes is None:
+        segment_bytes = RING_SEGMENT_BYTES
     return max(DEFAULT_CHUNK_BYTES, int(segment_bytes) * int(nodes))

@@ -153,10 +153,10 @@ class NcclEngine(PriorityMpiBackend):
             CpuStreams` runs the same engine on numpy arrays.
         chunk_bytes (int): largest piece issued as one collective.
             Default: NCCL's allreduce is a ring, so the chunk grows with
-            the ranks, ``max(4 MiB, 2 MiB * N)``, for each of its
-            ``2 (N - 1)`` steps to move at least 2 MiB
+            the ranks, ``max(4 MiB, 256 KiB * N)``, for each of its
+            ``2 (N - 1)`` steps to move at least 256 KiB
             (:func:`~chainermn_overlap.communication.chunking.
-            ring_chunk_bytes`; 4 MiB at two ranks); a given value is kept.
+            ring_chunk_bytes`; 4 MiB up to 16 ranks); a given value is kept.
         max_inflight (int): chunks on the stream at once; the engine waits
             for the oldest before issuing more.
         sync (str): ``'stream'``: a wait makes the caller's current stream

@@ -137,7 +137,7 @@ def resolve_bucket_size(bucket_size, shard, wire_dtype, compression,
     if wire_dtype is not None and wire_dtype.itemsize < 4 and (
             compression is None):
         # The float16 ring runs a bucket whole, as one chunk: the ring's
-        # chunk for ``nodes`` ranks (the default chunk at two ranks), at
+        # chunk for ``nodes`` ranks (the default chunk up to 16), at
         # most the float32 bucket (larger would cost overlap).
         return (chunk if chunk is not None
                 else min(default, ring_chunk_bytes(nodes)))

@@ -418,8 +418,8 @@ def create_overlapped_optimizer(
             every ``update()``).
         bucket_size (int or str): fusion bucket size, in bytes or as a
             string such as ``'25MB'``.  Default 16 MiB (with a float16
-            wire the ring runs a bucket whole: the ring's chunk, 4 MiB at
-            two ranks, ``min(16 MiB, 2 MiB * N)`` above).  With
+            wire the ring runs a bucket whole: the ring's chunk, 4 MiB up to
+            16 ranks, ``min(16 MiB, 256 KiB * N)`` above).  With
             ``wait='forward'`` the last four buckets (the first layers, which
             the next forward needs first) are limited to 1, 2, 4 and 8 MiB.
         zero_fill (bool): accepted for compatibility.  Missing gradients
@@ -444,8 +444,9 @@ def create_overlapped_optimizer(
             ``close()``/``write_timeline()`` and at exit; the first 200000
             events are kept.
         chunk_size (int or str): largest piece reduced in one call by
-            ``'mpi_priority'`` (a higher-priority bucket can start at every
-            chunk boundary).  Default 4 MiB.
+            ``'mpi_priority'`` and ``'nccl'`` (a higher-priority bucket can
+            start at every chunk boundary).  Default 4 MiB; ``'nccl'``'s
+            ring: ``max(4 MiB, 256 KiB * N)``.  A given value is kept.
         timeout (float): watchdog: seconds any wait for a reduction may
             take before :class:`chainermn_overlap.CommunicationTimeout` is
             raised, naming the pending bucket, instead of hanging.  Default

@@ -286,8 +286,8 @@ def test_powersgd_bad_arguments(comm):
 
 def test_float16_wire_buckets_default_to_one_chunk(comm):
     # The float16 ring runs a bucket whole: by default its buckets are one
-    # ring chunk (4 MiB at two ranks, 2 MiB per rank beyond, at most the
-    # float32 bucket) so that an urgent bucket never waits behind a large
+    # ring chunk (4 MiB up to 16 ranks, 256 KiB per rank beyond, at most
+    # the float32 bucket) so that an urgent bucket never waits behind a large
     # one; an explicit chunk or bucket_size is kept.
     def size_of(**options):
         opt = chainermn_overlap.create_overlapped_optimizer(
@@ -297,7 +297,7 @@ def test_float16_wire_buckets_default_to_one_chunk(comm):
         finally:
             opt.close()
     assert size_of(allreduce_grad_dtype=np.float16) == \
-        min(16, max(4, 2 * comm.size)) * 2 ** 20
+        min(16 << 20, max(4 << 20, (256 << 10) * comm.size))
     assert size_of(allreduce_grad_dtype=np.float16,
                    chunk_size='1MiB') == 2 ** 20
     assert size_of(allreduce_grad_dtype=np.float16,

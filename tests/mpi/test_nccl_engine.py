@@ -29,6 +29,7 @@ import chainer
 
 import chainermn_overlap
 from chainermn_overlap.communication import backends
+from chainermn_overlap.communication import chunking
 from chainermn_overlap.communication import engine as engine_module
 from chainermn_overlap.communication import nccl
 from chainermn_overlap.communication import ring
@@ -196,11 +197,14 @@ def test_every_rank_issues_the_same_chunks_by_priority():
         np.testing.assert_array_equal(a, SIZE * (SIZE + 1) / 2.0)
 
 
-def test_the_default_chunk_grows_with_the_ranks_an_explicit_one_is_kept():
+def test_the_default_chunk_grows_with_the_ranks_an_explicit_one_is_kept(
+        monkeypatch):
     # NCCL's allreduce is a ring: by default each of its 2 (N - 1) steps
-    # moves at least 2 MiB, so a chunk is max(4 MiB, 2 MiB * N): 12 MiB
-    # goes as 4+4+4 MiB at two ranks (as before), 6+6 at three, 8+4 at
-    # four.  A chunk the user gives is kept at any size.
+    # moves at least a segment, the chunk is max(4 MiB, segment * N).  The
+    # real segment (256 KiB) changes nothing below 17 ranks, so at 2 MiB:
+    # 12 MiB goes as 4+4+4 MiB at two ranks (as before), 6+6 at three, 8+4
+    # at four.  A chunk the user gives is kept at any size.
+    monkeypatch.setattr(chunking, 'RING_SEGMENT_BYTES', 2 << 20)
     want = {2: [4, 4, 4], 3: [6, 6], 4: [8, 4]}.get(SIZE)
     if want is None:
         pytest.skip('pieces stated for 2 to 4 ranks')
@@ -216,6 +220,9 @@ def test_the_default_chunk_grows_with_the_ranks_an_explicit_one_is_kept():
         issued[given] = [buf.nbytes >> 20 for buf, _ in rec.issued]
         np.testing.assert_array_equal(a, SIZE * (SIZE + 1) / 2.0)
     assert issued == {None: want, 4 << 20: [4, 4, 4]}, issued
+    # Unpatched, four ranks keep today's 4 MiB.
+    monkeypatch.undo()
+    assert chunking.ring_chunk_bytes(SIZE) == 4 << 20
 
 
 def test_rounds_never_interleave_and_fifo_within_equal_priority():

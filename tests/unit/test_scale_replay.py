@@ -238,7 +238,7 @@ def test_ring_chunk_grown_with_n_at_1024_nodes():
     # The recorded ResNet-50 at a GPU-class iteration, 1,024 nodes, 10 Gb/s,
     # ring.  With the fixed 4 MiB chunk each of ~30 chunks costs 2 (N - 1)
     # latencies for 4 KiB a step: the projection collapses.  With the
-    # engine's rule (chunk max(4 MiB, 2 MiB N)) each bucket is one ring,
+    # engine's rule (chunk max(4 MiB, 256 KiB N)) each bucket is one ring,
     # and what the communication thread spends is the alpha-beta time of
     # one ring per item, within 5 % (agreements and engine steps).
     path = os.path.join(ROOT, 'benchmarks', 'results',
