@@ -13,6 +13,7 @@ import glob
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 
@@ -131,15 +132,31 @@ def test_negative_control_unsharded_files_hold_whole_copies(tmp_path):
             assert f[key].shape == value.shape
 
 
-def _resume(tmp_path, name, first, then, whole=False):
+_FIRST_RUNS = {}
+
+
+def _first_run(tmp_path_factory, ranks, opts, whole):
+    """The snapshot folder of a run stopped at iteration 8 (cached: three
+    tests resume from the same 2-rank shard='optimizer' run)."""
+    key = (ranks, tuple(opts), whole)
+    if key not in _FIRST_RUNS:
+        d = tmp_path_factory.mktemp('first')
+        extra = ['--whole-snapshots'] if whole else []
+        mpirun(['--out', str(d / 'snap'), '--result', str(d / 'final.npz')]
+               + opts + extra + ['--stop-at', '8'], ranks=ranks)
+        _FIRST_RUNS[key] = str(d / 'snap')
+    return _FIRST_RUNS[key]
+
+
+def _resume(tmp_path, name, first, then, whole=False, factory=None):
     """Runs ``first`` (stopping at iteration 8), then ``then`` from its
-    snapshot; returns the result file and the second run's output."""
+    snapshot (a copy of it); returns the result file and the second run's
+    output."""
     d = tmp_path / name
     result = str(d / 'final.npz')
     args = ['--out', str(d / 'snap'), '--result', result]
-    extra = ['--whole-snapshots'] if whole else []
     ranks, opts = first
-    mpirun(args + opts + extra + ['--stop-at', '8'], ranks=ranks)
+    shutil.copytree(_first_run(factory, ranks, opts, whole), str(d / 'snap'))
     files = [np.load(p) for p in _rank_files(str(d / 'snap'), 8)]
     assert len(files) == ranks
     assert all((RANGES in f.files) != whole for f in files)
@@ -149,33 +166,40 @@ def _resume(tmp_path, name, first, then, whole=False):
     return result, mpirun(args + opts, ranks=ranks)
 
 
-def test_resume_on_fewer_ranks_from_shards(tmp_path):
+def test_resume_on_fewer_ranks_from_shards(tmp_path, tmp_path_factory):
     # 4 ranks stop at iteration 8 (a quarter of each state per file), 2
     # ranks go on from there: the same bits as when the 4-rank files held
     # whole states.
     steps = ((4, ['--shard', 'optimizer']), (2, ['--shard', 'optimizer']))
-    result, out = _resume(tmp_path, 'sharded', *steps)
+    result, out = _resume(tmp_path, 'sharded', *steps,
+                          factory=tmp_path_factory)
     assert 'written by 4 ranks on 2' in out, out
-    ref, _ = _resume(tmp_path, 'whole', *steps, whole=True)
+    ref, _ = _resume(tmp_path, 'whole', *steps, whole=True,
+                     factory=tmp_path_factory)
     assert_bit_identical(result, ref)
 
 
-def test_resume_on_fewer_ranks_from_parameter_shards(tmp_path):
+def test_resume_on_fewer_ranks_from_parameter_shards(tmp_path,
+                                                    tmp_path_factory):
     # shard='parameters' at 4 ranks wrote each rank's own pieces of the
     # parameters (a quarter each): 2 ranks go on from them, exactly.
     steps = ((4, ['--shard', 'parameters']), (2, ['--shard', 'parameters']))
-    result, out = _resume(tmp_path, 'sharded', *steps)
+    result, out = _resume(tmp_path, 'sharded', *steps,
+                          factory=tmp_path_factory)
     assert 'written by 4 ranks on 2' in out, out
-    ref, _ = _resume(tmp_path, 'whole', *steps, whole=True)
+    ref, _ = _resume(tmp_path, 'whole', *steps, whole=True,
+                     factory=tmp_path_factory)
     assert_bit_identical(result, ref)
 
 
-def test_resume_on_more_ranks_from_shards(tmp_path):
+def test_resume_on_more_ranks_from_shards(tmp_path, tmp_path_factory):
     # 2 -> 4 (a host came back): each new rank rebuilds from both files.
     steps = ((2, ['--shard', 'optimizer']), (4, ['--shard', 'optimizer']))
-    result, out = _resume(tmp_path, 'sharded', *steps)
+    result, out = _resume(tmp_path, 'sharded', *steps,
+                          factory=tmp_path_factory)
     assert 'written by 2 ranks on 4' in out, out
-    ref, _ = _resume(tmp_path, 'whole', *steps, whole=True)
+    ref, _ = _resume(tmp_path, 'whole', *steps, whole=True,
+                     factory=tmp_path_factory)
     assert_bit_identical(result, ref)
 
 
@@ -213,22 +237,27 @@ def test_a_truncated_shard_file_is_refused(tmp_path, tmp_path_factory):
     assert_finished(code, out)
     assert_bit_identical(result, reference(tmp_path_factory, **job))
 
-def test_resume_into_an_unsharded_optimizer(tmp_path):
+def test_resume_into_an_unsharded_optimizer(tmp_path, tmp_path_factory):
     # Written sharded at 2 ranks, read by shard=None at 2 ranks: the
     # states are rebuilt whole from both files.
     steps = ((2, ['--shard', 'optimizer']), (2, []))
-    result, _ = _resume(tmp_path, 'sharded', *steps)
-    ref, _ = _resume(tmp_path, 'whole', *steps, whole=True)
+    result, _ = _resume(tmp_path, 'sharded', *steps,
+                        factory=tmp_path_factory)
+    ref, _ = _resume(tmp_path, 'whole', *steps, whole=True,
+                     factory=tmp_path_factory)
     assert_bit_identical(result, ref)
 
 
-def test_resume_with_another_layout_at_the_same_rank_count(tmp_path):
+def test_resume_with_another_layout_at_the_same_rank_count(
+        tmp_path, tmp_path_factory):
     # shard_unit changes the ranges each rank owns: the slices read are
     # gathered once and cut anew (the same bits as from whole states).
     steps = ((2, ['--shard', 'optimizer']),
              (2, ['--shard', 'optimizer', '--shard-unit', 'parameter']))
-    result, _ = _resume(tmp_path, 'sharded', *steps)
-    ref, _ = _resume(tmp_path, 'whole', *steps, whole=True)
+    result, _ = _resume(tmp_path, 'sharded', *steps,
+                        factory=tmp_path_factory)
+    ref, _ = _resume(tmp_path, 'whole', *steps, whole=True,
+                     factory=tmp_path_factory)
     assert_bit_identical(result, ref)
 
 
