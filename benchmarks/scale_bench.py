@@ -78,7 +78,8 @@ def settings(args):
     # Overrides, e.g. the full dilation check (k = 1, 2, 4, three repeats)
     # on the small ResNet: --full --validate-only --validation-model
     # resnet_small.
-    for key in ('validation_model', 'repeats', 'rounds', 'insize', 'batch'):
+    for key in ('validation_model', 'repeats', 'rounds', 'insize', 'batch',
+                'ranks'):
         if getattr(args, key, None) is not None:
             s[key] = getattr(args, key)
     return s
@@ -359,6 +360,9 @@ def main(argv=None):
                    help='jobs per dilation in the check (full: 3)')
     p.add_argument('--rounds', type=int, default=None,
                    help='paired rounds per job (full: 4)')
+    p.add_argument('--ranks', type=int, nargs='*', default=None,
+                   help='rank counts measured (full: 2 4 8; the first is '
+                        'traced, at k = 1)')
     p.add_argument('--insize', type=int, default=None,
                    help='image size of the ResNet-18/-50 jobs (default 224; '
                         'the small ResNet keeps 64)')
