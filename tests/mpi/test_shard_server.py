@@ -126,3 +126,33 @@ def test_one_listening_thread_for_many_servers(comm):
     while _listeners() and time.monotonic() < deadline:
         time.sleep(0.01)
     assert _listeners() == []
+
+
+def test_owner_waits_have_the_optimizer_limit(comm, monkeypatch):
+    """``before_update`` and ``reset`` wait for this rank's answers to be
+    sent with the limit the server was given (the optimizer's
+    ``timeout=``), not the environment's: an answer that never completes
+    ends the wait after 1.5 s where the environment says 30 s."""
+    from chainermn_overlap import CommunicationTimeout
+    import time
+    monkeypatch.setenv('CHAINERMN_OVERLAP_TIMEOUT', '30')
+    srv = server_module.ShardServer(comm.mpi_comm, comm.rank, timeout=1.5)
+    try:
+        for call in (lambda: srv.before_update(7), srv.reset):
+            # An 'answer' that never completes: a receive nobody matches.
+            stuck = srv.comm.Irecv(np.empty(1, np.float32),
+                                   source=comm.rank, tag=4242)
+            assert not stuck.Test()          # the fault is there
+            srv._sends[7] = [stuck]
+            start = time.perf_counter()
+            with pytest.raises(CommunicationTimeout, match='answers'):
+                call()
+            waited = time.perf_counter() - start
+            stuck.Cancel()
+            stuck.Wait()
+            srv._sends[7] = []
+            assert 1.4 < waited < 10, waited
+    finally:
+        srv._sends = {}
+        comm.mpi_comm.Barrier()
+        srv.close()

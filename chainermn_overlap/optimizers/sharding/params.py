@@ -101,7 +101,11 @@ class ParameterShardedPolicy(sharded.ShardedPolicy):
                         "shard='parameters' keeps parameters in host memory "
                         'for now; {} is a device array (rank {}). Use '
                         "shard='gradients'.".format(p.name, self.rank))
-            self.server = server_module.ShardServer(self.mpi_comm, self.rank)
+            # Its waits have the optimizer's limit (the watchdog's; None
+            # there is no limit, 0 to the server).
+            limit = self._watchdog().timeout
+            self.server = server_module.ShardServer(
+                self.mpi_comm, self.rank, 0 if limit is None else limit)
             # An optimizer dropped without close() must not leave its
             # server polling.
             weakref.finalize(self, self.server.stop)

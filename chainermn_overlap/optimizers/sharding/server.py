@@ -214,9 +214,12 @@ class ShardServer(object):
     Args:
         mpi_comm: the communicator to duplicate (collective over it).
         rank (int): this rank.
+        timeout (float or None): the limit of the owner's waits for its
+            answers to be sent (:meth:`before_update`, :meth:`reset`): the
+            optimizer's ``timeout=``; None: the environment's; 0: none.
     """
 
-    def __init__(self, mpi_comm, rank):
+    def __init__(self, mpi_comm, rank, timeout=None):
         self.comm = blocking.dup(mpi_comm, "the parameter server's "
                                  'communicator')
         # Every rank has reached the Dup above (it agrees on a context id), so
@@ -224,6 +227,7 @@ class ShardServer(object):
         # one long.
         _prepare_contexts(mpi_comm)
         self.rank = rank
+        self._timeout = timeout
         self._cond = threading.Condition()
         self._pieces = {}      # bucket index -> this rank's piece
         self._version = {}     # bucket index -> updates applied to it
@@ -267,7 +271,8 @@ class ShardServer(object):
         """Forgets every piece (a new layout publishes its own)."""
         with self._cond:
             for sends in self._sends.values():
-                blocking.wait(sends, 'the answers to fetches of parameters')
+                blocking.wait(sends, 'the answers to fetches of parameters',
+                              self._timeout)
             self._pieces, self._version, self._sends = {}, {}, {}
 
     def before_update(self, index):
@@ -275,7 +280,7 @@ class ShardServer(object):
         with self._cond:
             sends = list(self._sends.get(index, ()))
         blocking.wait(sends, 'the answers to fetches of the parameters of '
-                      'bucket {}'.format(index))
+                      'bucket {}'.format(index), self._timeout)
         with self._cond:
             self._sends[index] = [r for r in self._sends[index]
                                   if r not in sends]
