@@ -15,6 +15,7 @@ import os
 import sys
 import time
 
+from benchmarks.harness import machine
 from benchmarks.scale import project as proj
 from benchmarks.scale_bench import EFFICIENCY
 from benchmarks.harness.launch import RESULTS
@@ -49,7 +50,8 @@ def main(argv=None):
     scales = {'reference_calibration': c_a,
               'gpu_class': proj.GPU_CLASS['iteration_s'] / alone}
     step = trace['engine']['step_overhead_s']
-    out = {'trace': args.trace, 'efficiency': EFFICIENCY,
+    out = {'machine': machine.machine_description(),
+           'trace': args.trace, 'efficiency': EFFICIENCY,
            'latency_s': proj.REFERENCE['latency_s'],
            'variants': {k: v[2] for k, v in VARIANTS.items()}}
     for calib, scale in scales.items():

@@ -8,6 +8,10 @@ the projection ran.  ``scale-measured`` (only where the file holds bed
 measurements): per model and rank count, the dilation and each mode's
 scalability with its interval, and the replay against the bed.
 
+``scale-ring-chunks``, from ``scale_ring_chunks.json``
+(``benchmarks/scale/ring_chunks.py``): the ring with the fixed 4 MiB chunk
+against the chunk grown with N, beside MPICH's halving.
+
 Registered only while the file exists (as :mod:`bench_peers_sharding`).
 """
 import os
@@ -15,6 +19,7 @@ import os
 from benchcore import RESULTS, TABLES, Table, f3, interval_text, load, table
 
 SOURCE = 'scale.json'
+RING_CHUNKS = 'scale_ring_chunks.json'
 CALIBRATIONS = (('reference_calibration', 'reference calibration'),
                 ('gpu_class', 'GPU-class'))
 ALGORITHMS = (('', 'MPICH halving/doubling'), ('_ring', 'ring'))
@@ -46,6 +51,42 @@ def projection_table(results=RESULTS):
                  ['compute', 'allreduce', 'nodes', 'Gb/s', 'blocking',
                   'ours', 'ours, no thread CPU', 'bound',
                   'bound - ours (no thread CPU)'], rows, [SOURCE])
+
+
+def ring_chunks_table(results=RESULTS):
+    d = load(RING_CHUNKS, results)
+    rows = []
+    for key, label in CALIBRATIONS:
+        c = d[key]
+        for fixed in c['ring_fixed_4mib']:
+            at = (fixed['nodes'], fixed['rate_bit_per_s'])
+            grown = _row(c['ring_grown'], *at)
+            halving = _row(c['halving'], *at)
+            rows.append([label, '%d' % at[0], '%g' % (at[1] / 1e9),
+                         f3(fixed['ours']), f3(grown['ours']),
+                         f3(grown['bound']), f3(halving['ours']),
+                         f3(halving['bound'])])
+    return Table('Ring chunks: ours as recorded with the fixed 4 MiB chunk '
+                 '(before) and the chunk grown with N, max(4 MiB, 256 KiB N) '
+                 '(after), against the ring\'s overlap bound and MPICH\'s '
+                 'halving (latency %g us)' % (d['latency_s'] * 1e6),
+                 ['compute', 'nodes', 'Gb/s', 'ring, 4 MiB', 'ring, grown',
+                  'ring bound', 'halving', 'halving bound'], rows,
+                 [RING_CHUNKS])
+
+
+def ring_chunk_figures(results=RESULTS):
+    """Before and after at 1,024 nodes on 10 Gb/s, GPU-class."""
+    if not os.path.isfile(os.path.join(results, RING_CHUNKS)):
+        return {}
+    c = load(RING_CHUNKS, results)['gpu_class']
+    out = {}
+    for variant in ('ring_fixed_4mib', 'ring_grown', 'halving'):
+        r = _row(c[variant], 1024, 10e9)
+        out['ringchunk_gpu1024_10_' + variant] = f3(r['ours'])
+    out['ringchunk_gpu1024_10_ring_bound'] = f3(
+        _row(c['ring_grown'], 1024, 10e9)['bound'])
+    return out
 
 
 def measured_table(results=RESULTS):
@@ -107,11 +148,11 @@ def figures(results=RESULTS):
     """The figures the pages and the README quote from the study; none
     without the file."""
     if not os.path.isfile(os.path.join(results, SOURCE)):
-        return {}
+        return ring_chunk_figures(results)
     d = load(SOURCE, results)
     p = d['projection']
     ref, gpu = (p['reference_calibration']['rows'], p['gpu_class']['rows'])
-    out = {}
+    out = ring_chunk_figures(results)
     for name, rows, nodes, rate in (('ref16_10', ref, 16, 10e9),
                                     ('ref256_25', ref, 256, 25e9),
                                     ('ref1024_10', ref, 1024, 10e9),
@@ -123,10 +164,6 @@ def figures(results=RESULTS):
             out['scale_%s_%s' % (name, key)] = f3(r[key])
     gaps = [r['bound'] - r['ours_no_interference'] for r in ref + gpu]
     out['scale_max_gap_no_interference'] = f3(max(gaps))
-    ring = p['gpu_class'].get('rows_ring')
-    if ring:
-        out['scale_gpu1024_10_ring_ours'] = f3(
-            _row(ring, 1024, 10e9)['ours_no_interference'])
     v = d.get('replay_vs_trace_run') or {}
     for mode in ('ours', 'blocking'):
         if 'error' in v.get(mode, {}):
@@ -138,6 +175,10 @@ def figures(results=RESULTS):
 
 def register(results=RESULTS):
     """Registers the tables while ``results`` holds the file."""
+    if os.path.isfile(os.path.join(results, RING_CHUNKS)):
+        table('scale-ring-chunks')(ring_chunks_table)
+    else:
+        TABLES.pop('scale-ring-chunks', None)
     path = os.path.join(results, SOURCE)
     if not os.path.isfile(path):
         TABLES.pop('scale-projection', None)
