@@ -44,7 +44,9 @@ def _launcher(argv):
     # touching other MPI jobs on the machine.
     proc = subprocess.Popen(cmd, env=env, start_new_session=True)
     try:
-        return proc.wait(timeout=args.timeout)
+        code = proc.wait(timeout=args.timeout)
+        _show_desynchronised(logdir)
+        return code
     except subprocess.TimeoutExpired:
         sys.stdout.write('mpi_run: timed out after %.0f s at -n %d (a hang '
                          'or a too slow test); rank logs in %s\n'
@@ -52,6 +54,19 @@ def _launcher(argv):
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
         return 124
+
+
+def _show_desynchronised(logdir):
+    """The logs of ranks that ended the job because the others did not
+    end a test with them (tests/mpi/conftest.py): those ranks never reach
+    the exit codes' exchange below, which prints the logs of failed ranks."""
+    for name in sorted(os.listdir(logdir)):
+        path = os.path.join(logdir, name)
+        with open(path, errors='replace') as f:
+            text = f.read()
+        if 'did not reach the end of' in text:
+            sys.stdout.write('\n==== %s ====\n%s\n' % (path, text[-20000:]))
+    sys.stdout.flush()
 
 
 def _worker(nprocs, pytest_args):

@@ -89,6 +89,7 @@ class Tier(object):
         self.env = env or {}
         self.seconds = None
         self.code = None
+        self.cpu = None
         self.counts = {}
 
     @property
@@ -144,6 +145,20 @@ def counts(text):
     return {}
 
 
+def _wait_with_cpu(proc, deadline):
+    """(exit code, CPU seconds of the tier's whole process tree: user and
+    system, its reaped descendants included), or (None, None) past
+    ``deadline`` (None: no limit)."""
+    while True:
+        pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
+        if pid:
+            proc.returncode = os.waitstatus_to_exitcode(status)
+            return proc.returncode, usage.ru_utime + usage.ru_stime
+        if deadline is not None and time.monotonic() > deadline:
+            return None, None
+        time.sleep(0.2)
+
+
 def run_tier(tier, lock):
     os.makedirs(LOGS, exist_ok=True)
     env = dict(os.environ, **tier.env)
@@ -157,11 +172,10 @@ def run_tier(tier, lock):
                                 stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL,
                                 start_new_session=True)
-        try:
-            tier.code = proc.wait(timeout=TIER_TIMEOUT + 60)
-        except subprocess.TimeoutExpired:
+        tier.code, tier.cpu = _wait_with_cpu(proc, t0 + TIER_TIMEOUT + 60)
+        if tier.code is None:
             os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+            tier.code, tier.cpu = _wait_with_cpu(proc, None)
             tier.code = 124
             log.write('\ntiers: %s killed after %.0f s\n'
                       % (tier.name, TIER_TIMEOUT + 60))
@@ -173,8 +187,9 @@ def run_tier(tier, lock):
     # selects nothing has lost what it checks.
     with lock:
         state = 'passed' if tier.code == 0 else 'FAILED (exit %d)' % tier.code
-        sys.stdout.write('== %-22s %s in %5.0f s  %s\n' % (
-            tier.name, state, tier.seconds, _count_text(tier.counts)))
+        sys.stdout.write('== %-22s %s in %5.0f s (%5.0f CPU-s)  %s\n' % (
+            tier.name, state, tier.seconds, tier.cpu or 0,
+            _count_text(tier.counts)))
         if tier.code != 0:
             sys.stdout.write('---- end of %s ----\n%s\n---- end ----\n'
                              % (tier.log, text[-12000:]))
@@ -248,8 +263,9 @@ def main(argv=None):
         for k, v in t.counts.items():
             total[k] = total.get(k, 0) + v
     failed_tiers = [t.name for t in selected if t.code != 0]
-    sys.stdout.write('tiers: %d run in %.0f s; %s\n' % (
+    sys.stdout.write('tiers: %d run in %.0f s, %.0f CPU-s; %s\n' % (
         len(selected), time.monotonic() - t0,
+        sum(t.cpu or 0 for t in selected),
         'failed: ' + ', '.join(failed_tiers) if failed_tiers
         else 'all passed'))
     sys.stdout.write('tests: %d passed, %d failed, %d skipped\n' % (

@@ -8,6 +8,10 @@ these; ``chainermn_overlap.config`` holds only the library's).
     The ``shard=`` the overlapped optimizer under test gets (``optimizer``,
     ``gradients`` or ``parameters``; unset: none), so that the same suites
     check every sharding mode (``tests/tiers.py`` sets it).
+``CHAINERMN_OVERLAP_TEST_RANK_SKEW``
+    Seconds a rank waits at a test's end for the other ranks to end it too
+    before it ends the run (``tests/mpi/conftest.py``; default 300, 0: no
+    check).
 ``CHAINERMN_OVERLAP_LOGDIR``
     The folder ``tests/mpi_run.py`` gives its ranks for their logs (set by
     that launcher itself).

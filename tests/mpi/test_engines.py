@@ -296,6 +296,19 @@ def test_the_current_operation_is_tracked(name):
     assert engine not in engine_module._LIVE
 
 
+def _check_stall_report(reports):
+    assert reports, 'no stall warning'
+    msg = reports[0]
+    assert msg.startswith('rank {}: has waited'.format(RANK)), msg
+    assert 'for late bucket (collective #1 of rank {}'.format(
+        RANK) in msg, msg
+    assert 'ranks [{}] have not posted it'.format(LAST) in msg, msg
+    assert 'rank {}: has NOT posted it'.format(LAST) in msg, msg
+    # This rank's own line says where its communication thread is.
+    assert 'rank {}: posted it; communication thread in '.format(
+        RANK) in msg, msg
+
+
 @needs_two
 @pytest.mark.parametrize('name', ENGINES)
 def test_the_stall_report_names_the_rank_that_has_not_posted(name):
@@ -313,18 +326,18 @@ def test_the_stall_report_names_the_rank_that_has_not_posted(name):
         np.testing.assert_array_equal(a, expected_sum(4))
         reports = [str(w.message) for w in caught
                    if issubclass(w.category, chainermn_overlap.StallWarning)]
-        if RANK != LAST:
-            assert reports, 'no stall warning'
-            msg = reports[0]
-            assert msg.startswith('rank {}: has waited'.format(RANK)), msg
-            assert 'for late bucket (collective #1 of rank {}'.format(
-                RANK) in msg, msg
-            assert 'ranks [{}] have not posted it'.format(LAST) in msg, msg
-            assert 'rank {}: has NOT posted it'.format(LAST) in msg, msg
-            # This rank's own line says where its communication thread is.
-            assert 'rank {}: posted it; communication thread in '.format(
-                RANK) in msg, msg
-        WORLD.Barrier()
+        problem = None
+        try:
+            if RANK != LAST:
+                _check_stall_report(reports)
+        except AssertionError as e:
+            problem = e
+        # Every rank learns whether the report was right everywhere (a
+        # failure on one rank must not leave the others waiting here).
+        agreed = on_every_rank(problem is None)
+        if problem is not None:
+            raise problem
+        assert agreed, 'the stall report was wrong on another rank'
     finally:
         engine.close()
 
