@@ -326,9 +326,13 @@ def plot(result, path):
         ax.set_xlabel('nodes')
         ax.grid(True, alpha=0.3)
     for model, rows in (result.get('measured') or {}).items():
-        axes[0].errorbar([r['ranks'] for r in rows],
-                         [r['modes']['overlap_forward']['scalability']
-                          for r in rows], fmt='ko', capsize=3,
+        mid = [r['modes']['overlap_forward']['scalability'] for r in rows]
+        ci = [r['modes']['overlap_forward'].get('scalability_ci') or [m, m]
+              for r, m in zip(rows, mid)]
+        axes[0].errorbar([r['ranks'] for r in rows], mid,
+                         yerr=[[m - c[0] for m, c in zip(mid, ci)],
+                               [c[1] - m for m, c in zip(mid, ci)]],
+                         fmt='ko', capsize=3,
                          label='measured ours, {} (bed{})'.format(
                              model, '' if result.get('note', '').startswith(
                                  'quiet') else ', under load'))
