@@ -68,10 +68,19 @@ import sys
 
 def _load(*parts):
     """A standard-library module of the project, loaded by path: importing
-    its package would import Chainer, which the system Python lacks."""
+    its package would import Chainer, which the system Python lacks.  A
+    path into the package falls back to the installed package's file
+    (found without importing it) where the checkout has no package, as
+    beside an installed wheel."""
     here = os.path.dirname(os.path.abspath(__file__))
+    path = os.path.join(here, *parts)
+    if not os.path.exists(path) and 'chainermn_overlap' in parts:
+        found = importlib.util.find_spec('chainermn_overlap')
+        if found is not None and found.origin:
+            inner = parts[parts.index('chainermn_overlap') + 1:]
+            path = os.path.join(os.path.dirname(found.origin), *inner)
     spec = importlib.util.spec_from_file_location(
-        '_cmo_' + parts[-1][:-3], os.path.join(here, *parts))
+        '_cmo_' + parts[-1][:-3], path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
