@@ -49,6 +49,19 @@ def simgrid_problem(python=SYSTEM_PYTHON):
     return None
 
 
+def _replay_env():
+    """The replay's environment: where the engine's chunk rule is, for a
+    checkout without the package beside it (an installed wheel); the
+    system Python cannot import the package itself."""
+    import importlib.util
+    env = dict(os.environ)
+    found = importlib.util.find_spec('chainermn_overlap')
+    if found is not None and found.origin:
+        env['CMO_CHUNKING_FILE'] = os.path.join(
+            os.path.dirname(found.origin), 'communication', 'chunking.py')
+    return env
+
+
 def replay(trace_path, nodes, rate, latency, mode, python=SYSTEM_PYTHON,
            timeout=1200, **options):
     """One replay; its JSON result. ``options``: compute_scale,
@@ -63,7 +76,8 @@ def replay(trace_path, nodes, rate, latency, mode, python=SYSTEM_PYTHON,
         elif value is not None:
             cmd += ['--' + key.replace('_', '-'), str(value)]
     proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                          universal_newlines=True, timeout=timeout)
+                          universal_newlines=True, timeout=timeout,
+                          env=_replay_env())
     lines = [l for l in proc.stdout.splitlines() if l.startswith('{')]
     if proc.returncode != 0 or not lines:
         raise RuntimeError('replay failed (exit {}): {}\n{}'.format(
