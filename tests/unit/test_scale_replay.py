@@ -12,6 +12,8 @@ from benchmarks.scale import project, replay, trace
 from testbed import cpuquota
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), '..', '..'))
+RESNET50_TRACE = os.path.join(ROOT, 'benchmarks', 'results',
+                              'scale_trace.resnet50.json')
 
 
 def tiny_trace(layers=4, wait='forward', bucket_bytes=8 << 20):
@@ -200,7 +202,8 @@ def test_replay_script_refuses_a_bad_trace(tmp_path):
     proc = subprocess.run([project.SYSTEM_PYTHON, project.REPLAY, '--trace',
                            str(path), '--nodes', '2', '--rate', '1gbit'],
                           stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                          universal_newlines=True, timeout=120)
+                          universal_newlines=True, timeout=120,
+                          env=project._replay_env())
     assert proc.returncode != 0
     assert 'not a replay trace' in proc.stderr
 
@@ -234,6 +237,9 @@ def test_fewer_simulated_hosts_give_the_same_iteration(tmp_path, algorithm):
 
 @pytest.mark.skipif(_simgrid_missing() is not None,
                     reason='python3-simgrid is not installed')
+@pytest.mark.skipif(not os.path.exists(RESNET50_TRACE),
+                    reason='the recorded trace (benchmarks/results) is not '
+                           'copied beside an installed wheel')
 def test_ring_chunk_grown_with_n_at_1024_nodes():
     # The recorded ResNet-50 at a GPU-class iteration, 1,024 nodes, 10 Gb/s,
     # ring.  With the fixed 4 MiB chunk each of ~30 chunks costs 2 (N - 1)
@@ -241,8 +247,7 @@ def test_ring_chunk_grown_with_n_at_1024_nodes():
     # engine's rule (chunk max(4 MiB, 256 KiB N)) each bucket is one ring,
     # and what the communication thread spends is the alpha-beta time of
     # one ring per item, within 5 % (agreements and engine steps).
-    path = os.path.join(ROOT, 'benchmarks', 'results',
-                        'scale_trace.resnet50.json')
+    path = RESNET50_TRACE
     t = replay.load_trace(path)
     scale = project.GPU_CLASS['iteration_s'] / t['alone_iteration_s']
     rate, lat, eff = 10e9, 25e-6, 0.96
